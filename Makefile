@@ -1,0 +1,22 @@
+# Two entry points; each sets up what it needs (tools/setup.sh) first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+WORKDIR ?= runs/fmnist_mlp_pan_compare
+PYTEST_ARGS ?=
+
+.PHONY: setup run test bench clean
+
+setup:
+	@VENV=$(VENV) bash tools/setup.sh
+
+run: setup
+	$(PY) -m fedjax_pan.main --config=configs/fmnist_mlp.py:compare --workdir=$(WORKDIR) --overwrite
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m benchmarks.run --suite cpu --out runs/bench
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,102 @@
+"""Model zoo: `build(name, num_classes, pan=..., norm=..., **options)` returns a flax module.
+
+Every model is called as `model.apply(variables, x, train=False)` on NHWC images and
+returns logits. Hidden activations and the penultimate representation (`features`) are
+sown into the 'intermediates' collection; `apply_with_intermediates` reads them.
+
+Example:
+    >>> import jax, jax.numpy as jnp
+    >>> model = build("mlp", 10, pan={"kind": "mul", "period": 1.0, "amplitude": 0.1})
+    >>> variables = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1)))
+    >>> count_params(variables)
+    2913290
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pan.models import layers
+from fedjax_pan.models.mlp import MLP
+from fedjax_pan.models.resnet import ResNet
+from fedjax_pan.models.vgg import CONV_PLANS, FC_HIDDEN, VGG
+from fedjax_pan.pan import PANLike, as_config
+
+
+def _vgg(name: str) -> Callable[..., nn.Module]:
+    return lambda **kw: VGG(plan=CONV_PLANS[name], fc_hidden=FC_HIDDEN[name], **kw)
+
+
+# name -> (constructor, default norm)
+_REGISTRY: Dict[str, Tuple[Callable[..., nn.Module], str]] = {
+    "mlp": (MLP, "none"),
+    "vgg9": (_vgg("vgg9"), "none"),
+    "vgg11": (_vgg("vgg11"), "none"),
+    "vgg13": (_vgg("vgg13"), "none"),
+    "vgg16": (_vgg("vgg16"), "none"),
+    "resnet20": (ResNet, "batch"),
+}
+_OPTIONS = {
+    "mlp": {"hidden"},
+    "vgg9": {"pan_fc", "width"},
+    "vgg11": {"width"},
+    "vgg13": {"width"},
+    "vgg16": {"width"},
+    "resnet20": {"widths", "stem_width", "blocks_per_stage"},
+}
+NAMES = tuple(_REGISTRY)
+
+
+def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] = None,
+          num_groups: Optional[int] = None, **options: Any) -> nn.Module:
+    """Builds model `name` with `num_classes` outputs.
+
+    pan: None (off), a PANConfig or a mapping of its fields. norm: 'none' | 'batch' |
+    'group' | 'group(G)' (None = the model's default: batch for resnet20, else none).
+    options: per-model extras (mlp: hidden; vgg9: pan_fc, width; vggN: width;
+    resnet20: widths, stem_width, blocks_per_stage).
+    """
+    key = str(name).lower()
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(NAMES)}")
+    if not isinstance(num_classes, (int, np.integer)) or num_classes < 1:
+        raise ValueError(f"num_classes must be a positive integer, got {num_classes!r}")
+    unknown = set(options) - _OPTIONS[key]
+    if unknown:
+        raise ValueError(f"unknown option(s) {sorted(unknown)} for model {key!r}; "
+                         f"accepted: {sorted(_OPTIONS[key]) or 'none'}")
+    ctor, default_norm = _REGISTRY[key]
+    kind, groups = layers.parse_norm(norm if norm is not None else default_norm, num_groups)
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    return ctor(num_classes=int(num_classes), pan=as_config(pan), norm=kind, groups=groups,
+                **options)
+
+
+def init(model: nn.Module, rng: jax.Array, input_shape: Tuple[int, ...]) -> Dict[str, Any]:
+    """Initial variables ({'params': ..., 'batch_stats': ...}) for inputs of `input_shape` (HWC)."""
+    return dict(model.init(rng, jnp.zeros((1, *input_shape), jnp.float32), train=False))
+
+
+def apply_with_intermediates(model: nn.Module, variables: Mapping[str, Any], x: jnp.ndarray,
+                             train: bool = False) -> Tuple[jnp.ndarray, Dict[str, jnp.ndarray]]:
+    """Logits and every sown activation (by layer name, plus 'features')."""
+    mutable = ["intermediates"] + (["batch_stats"] if train and "batch_stats" in variables else [])
+    logits, state = model.apply(variables, x, train=train, mutable=mutable)
+    cut = len(layers.SOW_SUFFIX)
+    return logits, {k[:-cut]: v for k, v in state["intermediates"].items()}
+
+
+def count_params(variables: Mapping[str, Any]) -> int:
+    """Number of trainable scalars (the 'params' collection only)."""
+    params = variables.get("params", variables)
+    return int(sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(params)))
+
+
+__all__ = ["build", "init", "apply_with_intermediates", "count_params", "NAMES",
+           "MLP", "VGG", "ResNet"]

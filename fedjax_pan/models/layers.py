@@ -1,0 +1,97 @@
+"""Shared building blocks: initialisers, normalisation choice, and the PAN'd hidden unit.
+
+A hidden unit is always `relu(pan(norm(affine(x))))`: PANs sit after bias and norm and
+before the activation (paper App. B, Fig. 13). Layers are created flat in the calling
+module's scope (`fc1`, `fc1_norm`, ...), so parameter paths stay short and stable for
+permutation specs. Activations are sown into the 'intermediates' collection under the
+layer's name; sowing is free unless that collection is mutable.
+
+The helpers here must be called inside a `@nn.compact` method.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Tuple
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from fedjax_pan.pan import PANConfig, apply_pan
+
+# Initialisation of the authors' released code: kaiming-normal (fan_out, ReLU gain) convs,
+# N(0, 0.01) linear weights, zero biases; norms start at scale 1, bias 0 (flax default).
+conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+dense_init = nn.initializers.normal(stddev=0.01)
+zeros_init = nn.initializers.zeros
+
+# PyTorch's BatchNorm defaults (momentum 0.1 there is 0.9 here; eps 1e-5).
+BN_MOMENTUM = 0.9
+NORM_EPS = 1e-5
+DEFAULT_GROUPS = 32
+
+_NORM_RE = re.compile(r"^(none|batch|group)(?:\((\d+)\))?$")
+
+
+def parse_norm(norm: str, num_groups: Optional[int] = None) -> Tuple[str, int]:
+    """'none' | 'batch' | 'group' | 'group(G)' -> (kind, groups)."""
+    m = _NORM_RE.match(str(norm).strip().lower())
+    if m is None or (m.group(2) and m.group(1) != "group"):
+        raise ValueError(f"unknown norm {norm!r}; expected 'none', 'batch', 'group' or 'group(G)'")
+    groups = int(m.group(2)) if m.group(2) else (num_groups or DEFAULT_GROUPS)
+    if groups < 1:
+        raise ValueError(f"group norm needs at least one group, got {groups}")
+    return m.group(1), groups
+
+
+def normalize(x: jnp.ndarray, kind: str, groups: int, train: bool, name: str) -> jnp.ndarray:
+    """BatchNorm, GroupNorm or identity over the last axis, created as `name`."""
+    if kind == "batch":
+        return nn.BatchNorm(use_running_average=not train, momentum=BN_MOMENTUM,
+                            epsilon=NORM_EPS, name=name)(x)
+    if kind == "group":
+        if x.shape[-1] % groups:
+            raise ValueError(f"group norm with {groups} groups cannot split the "
+                             f"{x.shape[-1]} channels of layer {name!r}")
+        return nn.GroupNorm(num_groups=groups, epsilon=NORM_EPS, name=name)(x)
+    return x
+
+
+def affine(x: jnp.ndarray, features: int, name: str, *, conv: bool, kernel: int = 3,
+           stride: int = 1, use_bias: bool = True) -> jnp.ndarray:
+    """A Dense layer, or a 'same'-padded square Conv, with the released code's init."""
+    if not conv:
+        return nn.Dense(features, use_bias=use_bias, kernel_init=dense_init,
+                        bias_init=zeros_init, name=name)(x)
+    pad = kernel // 2
+    return nn.Conv(features, (kernel, kernel), (stride, stride), padding=[(pad, pad)] * 2,
+                   use_bias=use_bias, kernel_init=conv_init, bias_init=zeros_init,
+                   name=name)(x)
+
+
+def hidden_unit(module: nn.Module, x: jnp.ndarray, features: int, name: str, *,
+                conv: bool, norm: str, groups: int, pan: Optional[PANConfig], train: bool,
+                kernel: int = 3, stride: int = 1, use_bias: bool = True) -> jnp.ndarray:
+    """relu(pan(norm(affine(x)))), sown as `name`."""
+    x = affine(x, features, name, conv=conv, kernel=kernel, stride=stride, use_bias=use_bias)
+    x = normalize(x, norm, groups, train, f"{name}_norm")
+    x = nn.relu(apply_pan(x, pan))
+    sow(module, name, x)
+    return x
+
+
+def classifier(x: jnp.ndarray, num_classes: int, name: str = "head") -> jnp.ndarray:
+    """The output layer: plain linear, never a PAN."""
+    return nn.Dense(num_classes, kernel_init=dense_init, bias_init=zeros_init, name=name)(x)
+
+
+SOW_SUFFIX = "_out"
+
+
+def sow(module: nn.Module, name: str, value: jnp.ndarray) -> None:
+    """Records an activation as `name + SOW_SUFFIX`, keeping the latest value (not a tuple).
+
+    The suffix keeps the key apart from the layer's own parameter scope `name`.
+    """
+    module.sow("intermediates", name + SOW_SUFFIX, value, init_fn=lambda: None,
+               reduce_fn=lambda _, new: new)

@@ -1,0 +1,59 @@
+"""CIFAR-style ResNet20 of the PAN paper (App. B): basic blocks, 3 per stage.
+
+Widths default to the paper's code (stem 64, stages 64/128/256), not the classic
+16/32/64. Convs have no bias and BatchNorm precedes ReLU. In a block:
+
+    h   = relu(pan1(bn1(conv1 x)))
+    out = relu(pan2(bn2(conv2 h)) + shortcut(x))
+
+A projection shortcut (1x1 conv, stride 2, + norm) carries its own encoding; an identity
+shortcut and the stem carry none. With norm='none' the convs get biases instead.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from fedjax_pan.models import layers
+from fedjax_pan.pan import PANConfig, apply_pan
+
+
+class ResNet(nn.Module):
+    """Stem `stem`, blocks `stage{s}_block{b}_{conv1,conv2,shortcut}`, pooled `features`, `head`."""
+
+    num_classes: int
+    widths: Sequence[int] = (64, 128, 256)
+    stem_width: int = 64
+    blocks_per_stage: int = 3
+    pan: Optional[PANConfig] = None
+    norm: str = "batch"
+    groups: int = layers.DEFAULT_GROUPS
+
+    @nn.compact
+    def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+        bias = self.norm == "none"
+        common = dict(conv=True, norm=self.norm, groups=self.groups, train=train,
+                      use_bias=bias)
+        x = layers.hidden_unit(self, x, self.stem_width, "stem", pan=None, **common)
+        for s, width in enumerate(self.widths, start=1):
+            for b in range(1, self.blocks_per_stage + 1):
+                name = f"stage{s}_block{b}"
+                stride = 2 if (b == 1 and s > 1) else 1
+                h = layers.hidden_unit(self, x, width, f"{name}_conv1", stride=stride,
+                                       pan=self.pan, **common)
+                h = layers.affine(h, width, f"{name}_conv2", conv=True, use_bias=bias)
+                h = apply_pan(layers.normalize(h, self.norm, self.groups, train,
+                                               f"{name}_conv2_norm"), self.pan)
+                if stride != 1 or x.shape[-1] != width:
+                    x = layers.affine(x, width, f"{name}_shortcut", conv=True, kernel=1,
+                                      stride=stride, use_bias=bias)
+                    x = apply_pan(layers.normalize(x, self.norm, self.groups, train,
+                                                   f"{name}_shortcut_norm"), self.pan)
+                x = nn.relu(h + x)
+                layers.sow(self, name, x)
+        x = jnp.mean(x, axis=(1, 2))
+        layers.sow(self, "features", x)
+        return layers.classifier(x, self.num_classes)
