@@ -204,3 +204,17 @@ def test_group_norm_must_divide_channels():
     model = models.build("mlp", 10, norm="group(7)", hidden=[16])
     with pytest.raises(ValueError, match="7 groups"):
         _init(model, (4, 4, 1))
+
+
+def test_batch_norm_mask_ignores_padded_examples():
+    """A masked partial batch behaves exactly like the short batch PyTorch would see."""
+    model = models.build("vgg9", 10, norm="batch", width=0.25)
+    variables = _init(model, (8, 8, 3))
+    x = _inputs((8, 8, 3), n=6)
+    mask = jnp.asarray([1, 1, 1, 1, 0, 0], jnp.float32)
+    garbage = x.at[4:].set(1e3)  # what sits in the padded rows must not matter
+    out_m, st_m = model.apply(variables, garbage, train=True, mask=mask, mutable=["batch_stats"])
+    out_s, st_s = model.apply(variables, x[:4], train=True, mutable=["batch_stats"])
+    np.testing.assert_allclose(out_m[:4], out_s, rtol=1e-4, atol=1e-5)
+    for a, b in zip(jax.tree_util.tree_leaves(st_m), jax.tree_util.tree_leaves(st_s)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

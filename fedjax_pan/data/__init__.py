@@ -1,11 +1,11 @@
 """Datasets as in-memory arrays, and client partitions as index arrays."""
 
-from fedjax_pan.data.partition import (client_label_counts, partition,
-                                       plot_label_distribution, stats_table)
-from fedjax_pan.data.sources import (NORMALIZATION, Dataset, DataError, load,
+from fedjax_pan.data.partition import (SCHEMES, PartitionError, client_label_counts,
+                                       partition, plot_label_distribution, stats_table)
+from fedjax_pan.data.sources import (DATASETS, NORMALIZATION, Dataset, DataError, load,
                                      normalize, read_idx, synthetic)
 
 __all__ = [
-    "Dataset", "DataError", "NORMALIZATION", "load", "normalize", "read_idx", "synthetic",
+    "DATASETS", "SCHEMES", "PartitionError", "Dataset", "DataError", "NORMALIZATION", "load", "normalize", "read_idx", "synthetic",
     "partition", "client_label_counts", "stats_table", "plot_label_distribution",
 ]

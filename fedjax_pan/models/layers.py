@@ -44,11 +44,19 @@ def parse_norm(norm: str, num_groups: Optional[int] = None) -> Tuple[str, int]:
     return m.group(1), groups
 
 
-def normalize(x: jnp.ndarray, kind: str, groups: int, train: bool, name: str) -> jnp.ndarray:
-    """BatchNorm, GroupNorm or identity over the last axis, created as `name`."""
+def normalize(x: jnp.ndarray, kind: str, groups: int, train: bool, name: str,
+              mask: Optional[jnp.ndarray] = None) -> jnp.ndarray:
+    """BatchNorm, GroupNorm or identity over the last axis, created as `name`.
+
+    `mask` (B,) marks real examples: padded ones are left out of batch statistics.
+    """
     if kind == "batch":
+        if mask is not None and train:
+            mask = jnp.broadcast_to(mask.reshape((-1,) + (1,) * (x.ndim - 1)) > 0, x.shape)
+        else:
+            mask = None
         return nn.BatchNorm(use_running_average=not train, momentum=BN_MOMENTUM,
-                            epsilon=NORM_EPS, name=name)(x)
+                            epsilon=NORM_EPS, name=name)(x, mask=mask)
     if kind == "group":
         if x.shape[-1] % groups:
             raise ValueError(f"group norm with {groups} groups cannot split the "
@@ -71,10 +79,11 @@ def affine(x: jnp.ndarray, features: int, name: str, *, conv: bool, kernel: int 
 
 def hidden_unit(module: nn.Module, x: jnp.ndarray, features: int, name: str, *,
                 conv: bool, norm: str, groups: int, pan: Optional[PANConfig], train: bool,
-                kernel: int = 3, stride: int = 1, use_bias: bool = True) -> jnp.ndarray:
+                mask: Optional[jnp.ndarray] = None, kernel: int = 3, stride: int = 1,
+                use_bias: bool = True) -> jnp.ndarray:
     """relu(pan(norm(affine(x)))), sown as `name`."""
     x = affine(x, features, name, conv=conv, kernel=kernel, stride=stride, use_bias=use_bias)
-    x = normalize(x, norm, groups, train, f"{name}_norm")
+    x = normalize(x, norm, groups, train, f"{name}_norm", mask)
     x = nn.relu(apply_pan(x, pan))
     sow(module, name, x)
     return x

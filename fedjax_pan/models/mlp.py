@@ -24,10 +24,11 @@ class MLP(nn.Module):
     groups: int = layers.DEFAULT_GROUPS
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, train: bool = False,
+                 mask: Optional[jnp.ndarray] = None) -> jnp.ndarray:
         x = x.reshape((x.shape[0], -1))
         for i, width in enumerate(self.hidden, start=1):
             x = layers.hidden_unit(self, x, width, f"fc{i}", conv=False, norm=self.norm,
-                                   groups=self.groups, pan=self.pan, train=train)
+                                   groups=self.groups, pan=self.pan, train=train, mask=mask)
         layers.sow(self, "features", x)
         return layers.classifier(x, self.num_classes)

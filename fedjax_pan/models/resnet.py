@@ -33,10 +33,11 @@ class ResNet(nn.Module):
     groups: int = layers.DEFAULT_GROUPS
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, train: bool = False,
+                 mask: Optional[jnp.ndarray] = None) -> jnp.ndarray:
         bias = self.norm == "none"
         common = dict(conv=True, norm=self.norm, groups=self.groups, train=train,
-                      use_bias=bias)
+                      mask=mask, use_bias=bias)
         x = layers.hidden_unit(self, x, self.stem_width, "stem", pan=None, **common)
         for s, width in enumerate(self.widths, start=1):
             for b in range(1, self.blocks_per_stage + 1):
@@ -46,12 +47,12 @@ class ResNet(nn.Module):
                                        pan=self.pan, **common)
                 h = layers.affine(h, width, f"{name}_conv2", conv=True, use_bias=bias)
                 h = apply_pan(layers.normalize(h, self.norm, self.groups, train,
-                                               f"{name}_conv2_norm"), self.pan)
+                                               f"{name}_conv2_norm", mask), self.pan)
                 if stride != 1 or x.shape[-1] != width:
                     x = layers.affine(x, width, f"{name}_shortcut", conv=True, kernel=1,
                                       stride=stride, use_bias=bias)
                     x = apply_pan(layers.normalize(x, self.norm, self.groups, train,
-                                                   f"{name}_shortcut_norm"), self.pan)
+                                                   f"{name}_shortcut_norm", mask), self.pan)
                 x = nn.relu(h + x)
                 layers.sow(self, name, x)
         x = jnp.mean(x, axis=(1, 2))

@@ -49,7 +49,8 @@ class VGG(nn.Module):
     width: float = 1.0
 
     @nn.compact
-    def __call__(self, x: jnp.ndarray, train: bool = False) -> jnp.ndarray:
+    def __call__(self, x: jnp.ndarray, train: bool = False,
+                 mask: Optional[jnp.ndarray] = None) -> jnp.ndarray:
         n = 0
         for item in self.plan:
             if item == "M":
@@ -58,7 +59,7 @@ class VGG(nn.Module):
             n += 1
             x = layers.hidden_unit(self, x, _scaled(item, self.width), f"conv{n}", conv=True,
                                    norm=self.norm, groups=self.groups, pan=self.pan,
-                                   train=train)
+                                   train=train, mask=mask)
         x = x.reshape((x.shape[0], -1))
         for i, h in enumerate(self.fc_hidden, start=1):
             # The released code normalises convs only; FC hidden layers stay plain.

@@ -1,0 +1,77 @@
+"""FedAvg (McMahan et al.) with a server optimiser (FedOpt, Reddi et al.).
+
+Each sampled client starts from the global model with a fresh local optimiser, trains on
+its own data, and sends its model delta. The server treats minus the mean delta as a
+pseudo-gradient for `server_tx`: `optax.sgd(1.0)` is plain FedAvg, SGD with momentum is
+FedAvgM, `optax.adam` / `optax.yogi` are FedAdam / FedYogi.
+
+Non-trainable model state (BatchNorm statistics) is averaged with the deltas ("BN-Y"), or,
+with bn='local' ("BN-N"), kept per client; the global model's statistics are then the
+mean of the sampled clients' and are used only to evaluate it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, NamedTuple
+
+import flax.linen as nn
+import jax
+import optax
+
+from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.core import FederatedAlgorithm
+
+PyTree = Any
+BN_MODES = ("mean", "local")
+
+
+class ServerState(NamedTuple):
+    params: PyTree
+    model_state: Dict[str, PyTree]
+    opt_state: PyTree
+    round: jax.Array
+
+
+def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
+           server_tx: optax.GradientTransformation = optax.sgd(1.0), *,
+           warmup: str = "none", warmup_length: int = 0, bn: str = "mean") -> FederatedAlgorithm:
+    """FedAvg / FedOpt for a flax `model` trained locally with `client_tx`."""
+    if warmup not in local_lib.WARMUPS:
+        raise ValueError(f"unknown warmup {warmup!r}; expected one of {local_lib.WARMUPS}")
+    if bn not in BN_MODES:
+        raise ValueError(f"unknown bn mode {bn!r}; expected one of {BN_MODES}")
+
+    def server_init(variables):
+        params, model_state = local_lib.split_variables(variables)
+        return ServerState(params, model_state, server_tx.init(params),
+                           jax.numpy.zeros((), jax.numpy.int32))
+
+    def client_state_init(server):
+        return server.model_state if bn == "local" and server.model_state else None
+
+    def client_init(server, client_state, rng):
+        del rng  # local training is deterministic given the batches
+        model_state = server.model_state if client_state is None else client_state
+        lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
+        return local_lib.init_local(client_tx, {"params": server.params, **model_state},
+                                    lr_scale)
+
+    def client_step(local, batch):
+        return local_lib.sgd_step(model, client_tx, local, batch, warmup, warmup_length)
+
+    def client_output(local, server):
+        delta = jax.tree_util.tree_map(lambda a, b: a - b, local.params, server.params)
+        new_client_state = local.model_state if bn == "local" and local.model_state else None
+        return {"delta": delta, "model_state": local.model_state}, new_client_state
+
+    def server_update(server, mean_output):
+        pseudo_grad = jax.tree_util.tree_map(lambda d: -d, mean_output["delta"])
+        updates, opt_state = server_tx.update(pseudo_grad, server.opt_state, server.params)
+        params = optax.apply_updates(server.params, updates)
+        return ServerState(params, mean_output["model_state"], opt_state, server.round + 1)
+
+    def eval_variables(server):
+        return {"params": server.params, **server.model_state}
+
+    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
+                              client_output, server_update, eval_variables)

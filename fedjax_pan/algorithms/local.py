@@ -1,0 +1,112 @@
+"""Local training shared by algorithms: masked loss, one optax step, learning-rate warm-up.
+
+Warm-up (SPEC 3): the paper warms the learning rate over the first `length` local steps
+of every round ('steps'); the authors' code warms it over the first `length` rounds
+('rounds', lr_r = min((r + 1) / length, 1) * lr with r counted from 0). Scaling the final
+update by the factor equals PyTorch's SGD with a changed lr, momentum buffer included.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+PyTree = Any
+WARMUPS = ("none", "steps", "rounds")
+
+
+class LocalState(NamedTuple):
+    """A client's working copy during a round."""
+
+    params: PyTree
+    model_state: Dict[str, PyTree]  # non-trainable collections, e.g. batch_stats
+    opt_state: PyTree
+    step: jax.Array  # local steps taken this round
+    lr_scale: jax.Array  # round-level warm-up factor
+
+
+def client_optimizer(learning_rate: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                     grad_clip: Optional[float] = None) -> optax.GradientTransformation:
+    """PyTorch-style SGD: clip the gradient norm, add weight decay, then momentum SGD."""
+    parts = []
+    if grad_clip:
+        parts.append(optax.clip_by_global_norm(grad_clip))
+    if weight_decay:
+        parts.append(optax.add_decayed_weights(weight_decay))
+    parts.append(optax.sgd(learning_rate, momentum=momentum or None))
+    return optax.chain(*parts)
+
+
+def round_lr_scale(round_index: jax.Array, warmup: str, length: int) -> jax.Array:
+    """Warm-up factor of a whole round (1 unless warmup == 'rounds')."""
+    if warmup != "rounds" or length <= 0:
+        return jnp.ones((), jnp.float32)
+    return jnp.minimum((round_index + 1) / length, 1.0).astype(jnp.float32)
+
+
+def split_variables(variables: Dict[str, PyTree]) -> Tuple[PyTree, Dict[str, PyTree]]:
+    """{'params': p, **rest} -> (p, rest)."""
+    rest = {k: v for k, v in variables.items() if k != "params"}
+    return variables["params"], rest
+
+
+def init_local(tx: optax.GradientTransformation, variables: Dict[str, PyTree],
+               lr_scale: jax.Array) -> LocalState:
+    """A fresh local state: the broadcast model and a fresh optimiser."""
+    params, model_state = split_variables(variables)
+    return LocalState(params, model_state, tx.init(params), jnp.zeros((), jnp.int32),
+                      jnp.asarray(lr_scale, jnp.float32))
+
+
+def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
+    """Sum over real examples of the softmax cross-entropy."""
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return jnp.sum(ce * mask)
+
+
+def forward(model: nn.Module, params: PyTree, model_state: Dict[str, PyTree],
+            batch: Dict[str, jax.Array], train: bool) -> Tuple[jax.Array, Dict[str, PyTree]]:
+    """Logits and the updated non-trainable collections."""
+    variables = {"params": params, **model_state}
+    if train and model_state:
+        logits, new_state = model.apply(variables, batch["x"], train=True, mask=batch["mask"],
+                                        mutable=list(model_state))
+        return logits, dict(new_state)
+    return model.apply(variables, batch["x"], train=train, mask=batch["mask"]), model_state
+
+
+# extra_loss(params, local_state, batch, logits) -> scalar added to the mean loss.
+ExtraLoss = Callable[[PyTree, LocalState, Dict[str, jax.Array], jax.Array], jax.Array]
+
+
+def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalState,
+             batch: Dict[str, jax.Array], warmup: str = "none", warmup_length: int = 0,
+             extra_loss: Optional[ExtraLoss] = None,
+             grad_transform: Optional[Callable[[PyTree, LocalState], PyTree]] = None,
+             ) -> Tuple[LocalState, Dict[str, jax.Array]]:
+    """One local step on the mean loss over the batch's real examples."""
+    count = jnp.sum(batch["mask"])
+
+    def loss_fn(params):
+        logits, new_state = forward(model, params, local.model_state, batch, train=True)
+        loss_sum = masked_cross_entropy(logits, batch["y"], batch["mask"])
+        loss = loss_sum / jnp.maximum(count, 1.0)
+        if extra_loss is not None:
+            loss = loss + extra_loss(params, local, batch, logits)
+        return loss, (loss_sum, new_state)
+
+    grads, (loss_sum, new_state) = jax.grad(loss_fn, has_aux=True)(local.params)
+    if grad_transform is not None:
+        grads = grad_transform(grads, local)
+    updates, opt_state = tx.update(grads, local.opt_state, local.params)
+    scale = local.lr_scale
+    if warmup == "steps" and warmup_length > 0:
+        scale = scale * jnp.minimum((local.step + 1) / warmup_length, 1.0)
+    updates = jax.tree_util.tree_map(lambda u: u * scale.astype(u.dtype), updates)
+    params = optax.apply_updates(local.params, updates)
+    new_local = LocalState(params, new_state, opt_state, local.step + 1, local.lr_scale)
+    return new_local, {"loss_sum": loss_sum, "num_examples": count}

@@ -1,0 +1,41 @@
+"""The default run configuration every config file starts from (SPEC 3 hyper-parameters).
+
+Unset optional values are typed placeholders (None) so they can still be set from the
+command line, e.g. `--config.partition.min_size=10`.
+"""
+
+import ml_collections
+from ml_collections.config_dict import placeholder
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """FedAvg, MLP on Fashion-MNIST, K=100, R=0.1, E=5, B=64, Dirichlet(0.1), PANx T=1 A=0.1."""
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+    c.rounds = 40
+    c.participation = 0.1  # R
+    c.algorithm = "fedavg"
+    c.dataset = ml_collections.ConfigDict({"name": "fashion_mnist",
+                                           "data_dir": placeholder(str),
+                                           "train_limit": placeholder(int)})
+    c.model = ml_collections.ConfigDict({"name": "mlp", "norm": placeholder(str),
+                                         "options": {}})
+    c.pan = ml_collections.ConfigDict({"kind": "mul", "period": 1.0, "amplitude": 0.1,
+                                       "ratio": 1.0})
+    c.partition = ml_collections.ConfigDict({
+        "scheme": "dirichlet_by_client", "num_clients": 100, "alpha": 0.1,
+        "classes_per_client": placeholder(int), "min_size": placeholder(int), "balance": False})
+    c.local = ml_collections.ConfigDict({"epochs": 5.0, "batch_size": 64, "mode": "epochs",
+                                         "local_steps": placeholder(int)})
+    c.optimizer = ml_collections.ConfigDict({
+        "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-5, "grad_clip": 100.0,
+        "warmup": "rounds", "warmup_length": 10})
+    c.server = ml_collections.ConfigDict({"optimizer": "sgd", "lr": 1.0, "momentum": 0.0})
+    c.aggregation = ml_collections.ConfigDict({"weights": "uniform", "bn": "mean"})
+    c.execution = ml_collections.ConfigDict({"strategy": "auto",
+                                             "group_size": placeholder(int), "chunk": 16})
+    # local: also log each client's expected accuracy on a test set with its label mix.
+    c.eval = ml_collections.ConfigDict({"every": 1, "batch_size": 1000, "local": False})
+    c.checkpoint_every = 10
+    c.variants = ml_collections.ConfigDict()
+    return c

@@ -1,0 +1,126 @@
+"""Client data without copies, and the paper's local-work semantics.
+
+The training set lives once on the device; a client is a row of a padded index table.
+Batches are gathered inside the compiled step: in epoch e, client k visits its examples
+in the order of a permutation drawn from fold_in(key_k, e), B at a time, the last partial
+batch padded and masked. The permutation is drawn at the fixed width of the largest
+client, so every execution strategy (and the sequential reference) sees the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+STEP_MODES = ("epochs", "authors", "steps")
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalWork:
+    """How much a client trains per round.
+
+    mode 'epochs': E passes over its data, ceil(n/B) steps each (the paper);
+    'authors': max(floor(E * ceil(n/B)), 5) steps cycling reshuffled epochs (released code);
+    'steps': exactly `local_steps` steps cycling reshuffled epochs.
+    """
+
+    batch_size: int = 64
+    epochs: float = 5.0
+    mode: str = "epochs"
+    local_steps: Optional[int] = None
+
+    def __post_init__(self):
+        if self.mode not in STEP_MODES:
+            raise ValueError(f"unknown local work mode {self.mode!r}; expected one of {STEP_MODES}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.mode == "steps" and (self.local_steps is None or self.local_steps < 1):
+            raise ValueError(f"mode 'steps' needs local_steps >= 1, got {self.local_steps}")
+        if self.mode != "steps" and not self.epochs > 0:
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+
+    def num_steps(self, sizes: np.ndarray) -> np.ndarray:
+        """Local steps per client for client sizes `sizes` (host integers)."""
+        sizes = np.asarray(sizes, np.int64)
+        batches = -(-sizes // self.batch_size)
+        if self.mode == "steps":
+            return np.full_like(sizes, self.local_steps)
+        if self.mode == "authors":
+            return np.maximum(np.floor(self.epochs * batches).astype(np.int64), 5)
+        return np.ceil(self.epochs * batches - 1e-9).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ClientData:
+    """Device-resident training data and the clients' index table.
+
+    images (N, H, W, C) float32 (normalised); labels (N,) int32; index_table (K, max_n)
+    int32 padded with 0; sizes (K,) host ints.
+    """
+
+    images: jax.Array
+    labels: jax.Array
+    index_table: jax.Array
+    sizes: np.ndarray
+
+    @classmethod
+    def create(cls, images: np.ndarray, labels: np.ndarray,
+               client_indices: Sequence[np.ndarray]) -> "ClientData":
+        sizes = np.asarray([len(ix) for ix in client_indices], np.int64)
+        if len(sizes) == 0 or sizes.min() < 1:
+            raise ValueError("every client needs at least one example")
+        table = np.zeros((len(sizes), int(sizes.max())), np.int32)
+        for k, ix in enumerate(client_indices):
+            table[k, :len(ix)] = ix
+        return cls(jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32),
+                   jnp.asarray(table), sizes)
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def max_size(self) -> int:
+        return int(self.index_table.shape[1])
+
+
+def epoch_order(key: jax.Array, epoch: jax.Array, size: jax.Array, width: int) -> jax.Array:
+    """Positions 0..size-1 in a random order for this epoch, then the padding positions."""
+    u = jax.random.uniform(jax.random.fold_in(key, epoch), (width,))
+    u = jnp.where(jnp.arange(width) < size, u, 2.0)  # padding sorts last
+    return jnp.argsort(u).astype(jnp.int32)
+
+
+def make_batch(images: jax.Array, labels: jax.Array, index_row: jax.Array, size: jax.Array,
+               key: jax.Array, step: jax.Array, batch_size: int) -> Dict[str, jax.Array]:
+    """The client's batch at local step `step` (cycling reshuffled epochs)."""
+    width = index_row.shape[0]
+    per_epoch = (size + batch_size - 1) // batch_size
+    epoch, b = step // per_epoch, step % per_epoch
+    order = jnp.concatenate([epoch_order(key, epoch, size, width),
+                             jnp.zeros((batch_size,), jnp.int32)])
+    start = b * batch_size
+    pos = jax.lax.dynamic_slice(order, (start,), (batch_size,))
+    mask = (start + jnp.arange(batch_size)) < size
+    idx = index_row[pos]
+    return {"x": images[idx], "y": labels[idx], "mask": mask.astype(jnp.float32)}
+
+
+def client_keys(base_key: jax.Array, round_index: int, client_ids: np.ndarray) -> jax.Array:
+    """One key per client for a round, independent of how clients are executed."""
+    round_key = jax.random.fold_in(base_key, round_index)
+    return jax.vmap(lambda c: jax.random.fold_in(round_key, c))(jnp.asarray(client_ids))
+
+
+def real_examples(work: LocalWork, sizes: np.ndarray) -> int:
+    """Real (unmasked) examples processed by clients of `sizes` in one round."""
+    total = 0
+    for n, s in zip(np.asarray(sizes), work.num_steps(sizes)):
+        full, rest = divmod(int(s), math.ceil(n / work.batch_size))
+        total += full * int(n) + rest * work.batch_size  # a partial epoch has only full batches
+    return total

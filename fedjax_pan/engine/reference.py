@@ -1,0 +1,53 @@
+"""A slow, obviously-correct sequential reference of one round, for tests only.
+
+Plain Python over clients and batches, no jit, no vmap, no masking of steps: each client
+takes exactly its number of steps on batches cut from the same per-epoch permutation
+the engine uses (the one shared definition of the data order).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.engine.clients import ClientData, epoch_order
+from fedjax_pan.engine.execution import Cohort
+
+PyTree = Any
+
+
+def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size: int,
+                    server: PyTree, cohort: Cohort) -> Tuple[PyTree, list, float]:
+    """(new server state, per-client new states, mean training loss) of one round."""
+    images, labels = np.asarray(data.images), np.asarray(data.labels)
+    table = np.asarray(data.index_table)
+    outputs, states, loss_sum, count = [], [], 0.0, 0.0
+    for m, client in enumerate(cohort.ids):
+        client_state = None if cohort.client_states is None else jax.tree_util.tree_map(
+            lambda x: x[m], cohort.client_states)
+        local = algorithm.client_init(server, client_state, cohort.rngs[m])
+        n = int(data.sizes[client])
+        per_epoch = -(-n // batch_size)
+        for t in range(int(cohort.steps[m])):
+            epoch, b = divmod(t, per_epoch)
+            order = np.asarray(epoch_order(cohort.data_keys[m], epoch, n, data.max_size))[:n]
+            rows = table[client, order[b * batch_size:(b + 1) * batch_size]]
+            real = len(rows)
+            pad = batch_size - real
+            rows = np.concatenate([rows, np.full(pad, table[client, 0])]).astype(np.int64)
+            batch = {"x": jnp.asarray(images[rows]), "y": jnp.asarray(labels[rows]),
+                     "mask": jnp.asarray(np.arange(batch_size) < real, jnp.float32)}
+            local, metrics = algorithm.client_step(local, batch)
+            loss_sum += float(metrics["loss_sum"])
+            count += float(metrics["num_examples"])
+        output, new_state = algorithm.client_output(local, server)
+        outputs.append(output)
+        states.append(new_state)
+    weights = np.asarray(cohort.weights, np.float64) / np.sum(cohort.weights)
+    mean = jax.tree_util.tree_map(
+        lambda *xs: sum(float(w) * x for w, x in zip(weights, xs)), *outputs)
+    return algorithm.server_update(server, mean), states, loss_sum / max(count, 1.0)

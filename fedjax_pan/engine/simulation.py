@@ -1,0 +1,110 @@
+"""One federated round as a composition: sample, execute, aggregate, update.
+
+`Simulation` knows no algorithm by name: it samples clients (R fraction, without
+replacement, seeded by (seed, round) so a resumed run samples identically), hands them to
+an executor, averages the client outputs uniformly (the PAN paper) or by example count
+(FedAvg's n_k / n), and applies the algorithm's server update. Per-client persistent
+state (for algorithms that keep one) is stored for all K clients and gathered/scattered
+for the sampled ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.engine.clients import ClientData, LocalWork, client_keys, real_examples
+from fedjax_pan.engine.execution import Cohort
+
+PyTree = Any
+AGGREGATIONS = ("uniform", "num_examples")
+_DATA_STREAM, _ALGO_STREAM = 1, 2
+
+
+class SimState(NamedTuple):
+    server: PyTree
+    client_states: PyTree  # stacked over all K clients, or None
+    round: int  # rounds completed
+
+
+def clients_per_round(participation: float, num_clients: int) -> int:
+    """max(1, round(R * K)) (SPEC 3)."""
+    return max(1, int(round(participation * num_clients)))
+
+
+@dataclasses.dataclass
+class Simulation:
+    algorithm: FederatedAlgorithm
+    data: ClientData
+    work: LocalWork
+    executor: Any
+    participation: float = 0.1
+    aggregation: str = "uniform"
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {self.aggregation!r}; expected one of "
+                             f"{AGGREGATIONS}")
+        if not 0.0 < self.participation <= 1.0:
+            raise ValueError(f"participation R must lie in (0, 1], got {self.participation}")
+        self.num_sampled = clients_per_round(self.participation, self.data.num_clients)
+        self.steps = self.work.num_steps(self.data.sizes)
+        key = jax.random.PRNGKey(self.seed)
+        self._data_key = jax.random.fold_in(key, _DATA_STREAM)
+        self._algo_key = jax.random.fold_in(key, _ALGO_STREAM)
+        self._server_update = jax.jit(self._mean_update)
+        self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
+            lambda a, n: a.at[ids].set(n), all_, new), donate_argnums=(0,))
+
+    def init(self, variables: PyTree) -> SimState:
+        server = self.algorithm.server_init(variables)
+        one = self.algorithm.client_state_init(server)
+        states = None if one is None else jax.tree_util.tree_map(
+            lambda x: jnp.broadcast_to(x, (self.data.num_clients, *np.shape(x))), one)
+        return SimState(server, states, 0)
+
+    def sample(self, round_index: int) -> np.ndarray:
+        rng = np.random.default_rng([self.seed, round_index])
+        ids = rng.choice(self.data.num_clients, self.num_sampled, replace=False)
+        return np.sort(ids)
+
+    def cohort(self, state: SimState, round_index: int) -> Cohort:
+        ids = self.sample(round_index)
+        if self.aggregation == "uniform":
+            weights = np.ones(len(ids))
+        else:
+            weights = self.data.sizes[ids].astype(np.float64)
+        states = None if state.client_states is None else jax.tree_util.tree_map(
+            lambda x: x[ids], state.client_states)
+        return Cohort(ids, self.steps[ids], weights,
+                      client_keys(self._data_key, round_index, ids),
+                      client_keys(self._algo_key, round_index, ids), states)
+
+    def _mean_update(self, server, output_sum, total_weight):
+        mean = jax.tree_util.tree_map(lambda x: x / total_weight.astype(x.dtype), output_sum)
+        return self.algorithm.server_update(server, mean)
+
+    def round(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
+        """Runs round `state.round`; returns the new state and the round's statistics."""
+        cohort = self.cohort(state, state.round)
+        result = self.executor.run(state.server, cohort)
+        server = self._server_update(state.server, result.output_sum,
+                                     jnp.float32(np.sum(cohort.weights)))
+        client_states = state.client_states
+        if client_states is not None:
+            client_states = self._scatter(client_states, jnp.asarray(cohort.ids),
+                                          result.client_states)
+        metrics = jax.device_get(result.metrics)
+        real = real_examples(self.work, self.data.sizes[cohort.ids])
+        stats = {
+            "train_loss": float(metrics["loss_sum"]) / max(float(metrics["num_examples"]), 1.0),
+            "real_examples": real,
+            "computed_examples": result.computed_steps * self.work.batch_size,
+        }
+        return SimState(server, client_states, state.round + 1), stats

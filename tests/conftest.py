@@ -1,0 +1,54 @@
+"""Small shared builders for engine tests (tiny models on synthetic data)."""
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from fedjax_pan import data, models
+from fedjax_pan.algorithms import client_optimizer, fedavg
+from fedjax_pan.engine import ClientData, LocalWork
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FMNIST = "/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz"
+needs_fmnist = pytest.mark.skipif(
+    not os.path.exists(os.environ.get("FEDJAX_PAN_FASHION_MNIST_DIR", "/nonexistent")) and
+    not os.path.exists(FMNIST), reason="Fashion-MNIST IDX files not installed")
+
+
+def tiny_clients(sizes, image_shape=(6, 6, 1), seed=0):
+    """ClientData with clients of exactly `sizes` examples of a synthetic dataset."""
+    ds = data.synthetic(int(sum(sizes)), 50, image_shape=image_shape, seed=seed)
+    perm = np.random.default_rng(seed).permutation(ds.num_train)
+    parts = np.split(perm, np.cumsum(sizes)[:-1])
+    return ds, ClientData.create(ds.train_images, ds.train_labels, [np.sort(p) for p in parts])
+
+
+def tiny_fedavg(norm="none", pan=None, image_shape=(6, 6, 1), warmup="steps", bn="mean",
+                server_tx=None, hidden=(24, 16)):
+    model = models.build("mlp", 10, hidden=list(hidden), norm=norm, pan=pan)
+    variables = models.init(model, jax.random.PRNGKey(0), image_shape)
+    kwargs = {} if server_tx is None else {"server_tx": server_tx}
+    algo = fedavg(model, client_optimizer(0.05, 0.9, 1e-5, 100.0), warmup=warmup,
+                  warmup_length=3, bn=bn, **kwargs)
+    return model, variables, algo
+
+
+def max_rel_err(a, b, floor=1e-2):
+    """Max over leaves of max|a - b| / max(max|b|, floor).
+
+    The floor (parameters here are O(0.1-1)) covers leaves that are numerically zero, e.g.
+    a bias in front of BatchNorm,
+    whose gradient vanishes in exact arithmetic and holds only rounding noise.
+    """
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)))) /
+               max(float(np.max(np.abs(np.asarray(y, np.float64)))), floor)
+               for x, y in zip(la, lb))
+
+
+__all__ = ["ROOT", "needs_fmnist", "tiny_clients", "tiny_fedavg", "max_rel_err", "LocalWork",
+           "sys"]

@@ -1,0 +1,139 @@
+"""Execution strategies agree with the sequential reference, and never recompile."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT, max_rel_err, tiny_clients, tiny_fedavg
+from fedjax_pan.engine import LocalWork, Simulation, count_compiles, make_executor
+from fedjax_pan.engine.execution import (LoopExecutor, VmapExecutor, has_convolutions,
+                                         resolve_strategy)
+from fedjax_pan.engine.reference import reference_round
+from fedjax_pan.pan import PANConfig
+
+# Client sizes whose last batches (B=8) hold >= 3 examples, so BatchNorm is well conditioned.
+SIZES = [27, 43, 19, 36, 60, 12]
+WORK = LocalWork(batch_size=8, epochs=1.5)
+
+
+def _run(strategy, algo, cd, variables, rounds=2, group_size=None, chunk=4, weights="num_examples"):
+    ex = make_executor(strategy, algo, WORK, cd, variables, 3, group_size=group_size, chunk=chunk)
+    sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation=weights, seed=7)
+    state, losses = sim.init(variables), []
+    for _ in range(rounds):
+        state, stats = sim.round(state)
+        losses.append(stats["train_loss"])
+    return sim, state, losses
+
+
+def _reference(sim, algo, cd, variables, rounds=2):
+    state, losses = sim.init(variables), []
+    for r in range(rounds):
+        server, states, loss = reference_round(algo, cd, WORK.batch_size, state.server,
+                                               sim.cohort(state, r))
+        state = state._replace(server=server, round=r + 1)
+        losses.append(loss)
+    return state, losses
+
+
+@pytest.mark.parametrize("norm", ["none", "batch", "group(4)"])
+def test_strategies_match_the_sequential_reference(norm):
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg(norm=norm, pan=PANConfig("mul", 1.0, 0.2))
+    runs = {f"{s}/{g}": _run(s, algo, cd, variables, group_size=g)
+            for s, g in [("loop", None), ("vmap", 1), ("vmap", 2), ("vmap", 3)]}
+    sim = runs["loop/None"][0]
+    ref_state, ref_losses = _reference(sim, algo, cd, variables)
+    for name, (_, state, losses) in runs.items():
+        assert max_rel_err(state.server, ref_state.server) < 1e-5, name
+        np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, err_msg=name)
+    # Training changed the model (the comparison is not between two untouched inits).
+    assert max_rel_err(ref_state.server.params, variables["params"]) > 1e-2
+
+
+def test_uniform_and_weighted_aggregation_both_match_reference():
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg()
+    for weights in ["uniform", "num_examples"]:
+        sim, state, _ = _run("vmap", algo, cd, variables, group_size=2, weights=weights)
+        ref_state, _ = _reference(sim, algo, cd, variables)
+        assert max_rel_err(state.server, ref_state.server) < 1e-5, weights
+
+
+def test_no_recompilation_after_the_first_round():
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg()
+    for strategy, g in [("loop", None), ("vmap", 2)]:
+        ex = make_executor(strategy, algo, WORK, cd, variables, 3, group_size=g, chunk=4)
+        sim = Simulation(algo, cd, WORK, ex, participation=0.5, seed=1)
+        state = sim.init(variables)
+        with count_compiles() as first:
+            state, _ = sim.round(state)
+        with count_compiles() as later:
+            for _ in range(4):  # different cohorts, different step counts
+                state, _ = sim.round(state)
+        assert first.count > 0, strategy
+        assert later.count == 0, strategy
+
+
+def test_vmap_bucketing_limits_padding():
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg()
+    ex = make_executor("vmap", algo, WORK, cd, variables, 6, group_size=2, chunk=16)
+    steps = WORK.num_steps(cd.sizes)  # [6, 9, 5, 8, 12, 3]
+    groups = [sorted(steps[g].tolist()) for g in ex.groups(steps)]
+    assert groups == [[9, 12], [6, 8], [3, 5]]  # sorted by step count
+    assert ex.computed_steps(steps) == 2 * (12 + 8 + 5)
+    assert [n for _, n in ex.chunks(23)] == [16, 4, 1, 1, 1]
+
+
+def test_auto_picks_by_backend_and_model():
+    _, variables, _ = tiny_fedavg()
+    conv = {"params": {"conv1": {"kernel": np.zeros((3, 3, 1, 4))}}}
+    assert not has_convolutions(variables) and has_convolutions(conv)
+    if jax.default_backend() == "cpu":
+        assert resolve_strategy("auto", variables) == "vmap"
+        assert resolve_strategy("auto", conv) == "loop"
+    assert resolve_strategy("loop", variables) == "loop"
+    with pytest.raises(ValueError, match="pmap"):
+        resolve_strategy("pmap", variables)
+
+
+def test_executor_types():
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg()
+    assert isinstance(make_executor("loop", algo, WORK, cd, variables, 3), LoopExecutor)
+    assert isinstance(make_executor("vmap", algo, WORK, cd, variables, 3), VmapExecutor)
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    import jax
+    assert jax.device_count() == 4, jax.devices()
+    from conftest import max_rel_err, tiny_clients, tiny_fedavg
+    from test_execution import SIZES, _reference, _run
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg(norm="batch")
+    sim, state, losses = _run("sharded", algo, cd, variables, group_size=None)
+    assert sim.executor.group_size % 4 == 0 and sim.executor.mesh is not None
+    ref_state, ref_losses = _reference(sim, algo, cd, variables)
+    err = max_rel_err(state.server, ref_state.server)
+    assert err < 1e-5, err
+    print("sharded ok", err)
+""")
+
+
+def test_sharded_strategy_on_four_cpu_devices():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    script = SHARDED_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "sharded ok" in out.stdout
