@@ -36,6 +36,8 @@ def default_config() -> ml_collections.ConfigDict:
                                              "group_size": placeholder(int), "chunk": 16})
     # local: also log each client's expected accuracy on a test set with its label mix.
     c.eval = ml_collections.ConfigDict({"every": 1, "batch_size": 1000, "local": False})
+    # Alg. 2: shuffle hidden neurons during local training, N_sf times per round expected.
+    c.shuffle = ml_collections.ConfigDict({"n_sf": 0.0, "p_sf": 0.1, "window": placeholder(float)})
     c.checkpoint_every = 10
     c.variants = ml_collections.ConfigDict()
     return c

@@ -21,13 +21,14 @@ import jax
 import ml_collections
 import numpy as np
 
-from fedjax_pan import algorithms, models
+from fedjax_pan import algorithms, models, permutation
 from fedjax_pan import data as data_lib
 from fedjax_pan.engine import (ClientData, LocalWork, Simulation, count_compiles,
                                make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.algorithms.fedavg import BN_MODES
 from fedjax_pan.algorithms.local import WARMUPS
 from fedjax_pan.algorithms.registry import SERVER_OPTIMIZERS
+from fedjax_pan.algorithms.shuffle import with_shuffling
 from fedjax_pan.data.partition import SCHEMES
 from fedjax_pan.engine.clients import STEP_MODES
 from fedjax_pan.engine.execution import STRATEGIES
@@ -103,6 +104,8 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
            f"unknown execution strategy {cfg.execution.strategy!r}; expected one of "
            f"{', '.join(STRATEGIES)}")
     _check(cfg.eval.every >= 1, f"eval.every must be >= 1, got {cfg.eval.every}")
+    _check(cfg.shuffle.n_sf >= 0, f"shuffle.n_sf must be >= 0, got {cfg.shuffle.n_sf}")
+    _check(0.0 <= cfg.shuffle.p_sf <= 1.0, f"shuffle.p_sf must lie in [0, 1], got {cfg.shuffle.p_sf}")
     _check(cfg.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {cfg.checkpoint_every}")
     try:
         as_config(cfg.pan)
@@ -155,6 +158,10 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
     work = LocalWork(cfg.local.batch_size, cfg.local.epochs, cfg.local.mode,
                      cfg.local.local_steps)
     algorithm = algorithms.from_config(model, cfg)
+    if cfg.shuffle.n_sf > 0:
+        spec = permutation.spec_for(model, variables)
+        algorithm = with_shuffling(algorithm, spec, cfg.shuffle.p_sf, cfg.shuffle.n_sf,
+                                   cfg.shuffle.window)
     sim_m = max(1, int(round(cfg.participation * len(parts))))
     strategy = resolve_strategy(cfg.execution.strategy, variables)
     executor = make_executor(strategy, algorithm, work, client_data, variables, sim_m,

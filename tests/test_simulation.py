@@ -1,5 +1,6 @@
 """Round loop: sampling, determinism, aggregation validation."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -54,3 +55,17 @@ def test_bad_round_settings(kwargs, match):
     sim, _ = _sim()
     with pytest.raises(ValueError, match=match):
         Simulation(sim.algorithm, sim.data, WORK, sim.executor, **kwargs)
+
+
+def test_client_updates_average_to_the_round_update():
+    """Clients run alone reproduce the aggregated round (uniform weights)."""
+    sim, variables = _sim()
+    state = sim.init(variables)
+    outputs = sim.client_updates(state)
+    assert len(outputs) == sim.num_sampled
+    new_state, _ = sim.round(state)
+    mean = jax.tree_util.tree_map(lambda *d: sum(d) / len(d), *[o["delta"] for o in outputs])
+    want = jax.tree_util.tree_map(lambda p, d: p + d, state.server.params, mean)
+    for a, b in zip(jax.tree_util.tree_leaves(new_state.server.params),
+                    jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -4,13 +4,15 @@ Every function takes its state first, then its inputs, and returns the new state
 
     server_init(variables)                       -> server_state
     client_state_init(server_state)              -> client_state   (None: stateless)
-    client_init(server_state, client_state, rng) -> local_state
+    client_init(server_state, client_state, ctx) -> local_state
     client_step(local_state, batch)              -> (local_state, step_metrics)
     client_output(local_state, server_state)     -> (output, client_state)
     server_update(server_state, mean_output)     -> server_state
     eval_variables(server_state)                 -> model variables to evaluate
 
-`batch` is {'x': (B, H, W, C) float32, 'y': (B,) int32, 'mask': (B,) float32}; padded
+`ctx` is a `ClientContext` (the client's key, its number of local steps this round and its
+number of examples). `batch` is {'x': (B, H, W, C) float32, 'y': (B,) int32, 'mask': (B,)
+float32}; padded
 examples have mask 0. `step_metrics` are sums over the batch ({'loss_sum', 'num_examples'})
 so the engine can add them up. The engine averages client outputs (uniformly or by
 example count) and owns sampling, execution, evaluation and checkpoints; an algorithm
@@ -22,6 +24,14 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 PyTree = Any
+
+
+class ClientContext(NamedTuple):
+    """What a client knows about its own round (scalars, or vectors when vmapped)."""
+
+    rng: Any
+    num_steps: Any
+    num_examples: Any
 
 
 class FederatedAlgorithm(NamedTuple):

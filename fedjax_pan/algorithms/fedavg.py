@@ -49,8 +49,8 @@ def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
     def client_state_init(server):
         return server.model_state if bn == "local" and server.model_state else None
 
-    def client_init(server, client_state, rng):
-        del rng  # local training is deterministic given the batches
+    def client_init(server, client_state, ctx):
+        del ctx  # local training is deterministic given the batches
         model_state = server.model_state if client_state is None else client_state
         lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
         return local_lib.init_local(client_tx, {"params": server.params, **model_state},

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm
 from fedjax_pan.engine.clients import ClientData, LocalWork, make_batch
 
 PyTree = Any
@@ -40,7 +40,7 @@ class Cohort(NamedTuple):
     steps: np.ndarray  # (M,) local steps
     weights: np.ndarray  # (M,) aggregation weights
     data_keys: jax.Array  # (M,) batch-order keys
-    rngs: jax.Array  # (M,) keys handed to client_init
+    rngs: jax.Array  # (M,) keys handed to client_init (in its ClientContext)
     client_states: PyTree  # stacked (M, ...) or None
 
 
@@ -62,8 +62,8 @@ class ClientProgram:
         self.algorithm = algorithm
         self.batch_size = work.batch_size
 
-    def init(self, server, client_state, rng):
-        return self.algorithm.client_init(server, client_state, rng), _zeros_metrics()
+    def init(self, server, client_state, ctx):
+        return self.algorithm.client_init(server, client_state, ctx), _zeros_metrics()
 
     def step(self, arrays, carry, info, t, masked: bool = True):
         """One local step; if `masked`, a client past its step count keeps its state.
@@ -120,9 +120,10 @@ class LoopExecutor:
     def run(self, server: PyTree, cohort: Cohort) -> CohortResult:
         out_sum, metrics, states = None, _zeros_metrics(), []
         for m, client in enumerate(cohort.ids):
-            carry = self._init(server, _take(cohort.client_states, m), cohort.rngs[m])
-            info = (jnp.int32(client), jnp.int32(self.data.sizes[client]), cohort.data_keys[m],
-                    jnp.int32(cohort.steps[m]))
+            size, steps = jnp.int32(self.data.sizes[client]), jnp.int32(cohort.steps[m])
+            ctx = ClientContext(cohort.rngs[m], steps, size)
+            carry = self._init(server, _take(cohort.client_states, m), ctx)
+            info = (jnp.int32(client), size, cohort.data_keys[m], steps)
             for t in range(int(cohort.steps[m])):
                 carry = self._step(self._arrays, carry, info, jnp.int32(t))
             local, acc = carry
@@ -167,9 +168,9 @@ class VmapExecutor:
         # One client per group has no one to wait for: its steps need no mask.
         masked = self.group_size > 1
 
-        def init(server, client_states, rngs):
+        def init(server, client_states, ctx):
             return self._constrain(over_clients(p.init, (None, 0, 0))(server, client_states,
-                                                                       rngs))
+                                                                       ctx))
 
         def run_chunk(length, arrays, carry, info, t0):
             single = self.group_size == 1
@@ -252,11 +253,13 @@ class VmapExecutor:
             steps = np.where(real, cohort.steps[slots], 0)
             weights = np.where(real, cohort.weights[slots], 0.0)
             ids = cohort.ids[slots]
-            info = self._split_put((jnp.asarray(ids, jnp.int32),
-                                    jnp.asarray(self.data.sizes[ids], jnp.int32),
-                                    cohort.data_keys[slots], jnp.asarray(steps, jnp.int32)))
+            sizes = jnp.asarray(self.data.sizes[ids], jnp.int32)
+            steps_j = jnp.asarray(steps, jnp.int32)
+            info = self._split_put((jnp.asarray(ids, jnp.int32), sizes, cohort.data_keys[slots],
+                                    steps_j))
             states = self._split_put(_take(cohort.client_states, slots))
-            carry = self._init(server, states, self._split_put(cohort.rngs[slots]))
+            ctx = self._split_put(ClientContext(cohort.rngs[slots], steps_j, sizes))
+            carry = self._init(server, states, ctx)
             if self._compiled is None:
                 self._compiled = self._compile_chunks(carry, info)
             for start, length in self.chunks(int(steps.max())):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm
 from fedjax_pan.engine.clients import ClientData, epoch_order
 from fedjax_pan.engine.execution import Cohort
 
@@ -29,8 +29,9 @@ def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size:
     for m, client in enumerate(cohort.ids):
         client_state = None if cohort.client_states is None else jax.tree_util.tree_map(
             lambda x: x[m], cohort.client_states)
-        local = algorithm.client_init(server, client_state, cohort.rngs[m])
         n = int(data.sizes[client])
+        ctx = ClientContext(cohort.rngs[m], jnp.int32(cohort.steps[m]), jnp.int32(n))
+        local = algorithm.client_init(server, client_state, ctx)
         per_epoch = -(-n // batch_size)
         for t in range(int(cohort.steps[m])):
             epoch, b = divmod(t, per_epoch)

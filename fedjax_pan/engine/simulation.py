@@ -90,6 +90,19 @@ class Simulation:
         mean = jax.tree_util.tree_map(lambda x: x / total_weight.astype(x.dtype), output_sum)
         return self.algorithm.server_update(server, mean)
 
+    def client_updates(self, state: SimState) -> list:
+        """Each client of round `state.round`'s cohort, run alone: their outputs (for FedAvg,
+        {'delta', 'model_state'}), in cohort order. For analyses of local models."""
+        cohort = self.cohort(state, state.round)
+        outputs = []
+        for m in range(len(cohort.ids)):
+            one = Cohort(cohort.ids[m:m + 1], cohort.steps[m:m + 1], np.ones(1),
+                         cohort.data_keys[m:m + 1], cohort.rngs[m:m + 1],
+                         None if cohort.client_states is None else jax.tree_util.tree_map(
+                             lambda x: x[m:m + 1], cohort.client_states))
+            outputs.append(self.executor.run(state.server, one).output_sum)
+        return outputs
+
     def round(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
         """Runs round `state.round`; returns the new state and the round's statistics."""
         cohort = self.cohort(state, state.round)

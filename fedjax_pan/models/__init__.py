@@ -79,8 +79,34 @@ def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] 
 
 
 def init(model: nn.Module, rng: jax.Array, input_shape: Tuple[int, ...]) -> Dict[str, Any]:
-    """Initial variables ({'params': ..., 'batch_stats': ...}) for inputs of `input_shape` (HWC)."""
-    return dict(model.init(rng, jnp.zeros((1, *input_shape), jnp.float32), train=False))
+    """Initial variables ({'params': ..., 'batch_stats': ...}) for inputs of `input_shape` (HWC).
+
+    Analysis-only collections (intermediates, perturbations) are left out.
+    """
+    variables = model.init(rng, jnp.zeros((1, *input_shape), jnp.float32), train=False)
+    return {k: v for k, v in variables.items()
+            if k not in ("intermediates", layers.PERTURBATIONS)}
+
+
+def activation_gradients(model: nn.Module, variables: Mapping[str, Any], x: jnp.ndarray,
+                         output_fn) -> Tuple[Dict[str, jnp.ndarray], Dict[str, jnp.ndarray]]:
+    """(activations, d output_fn(logits) / d activations) for every sown layer, eval mode.
+
+    `output_fn` maps logits (B, C) to a scalar, e.g. the sum of each example's own-class logit.
+    """
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x, train=False))
+    zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                   shapes[layers.PERTURBATIONS])
+
+    def f(perturbations):
+        logits, state = model.apply({**variables, layers.PERTURBATIONS: perturbations}, x,
+                                    train=False, mutable=["intermediates"])
+        return output_fn(logits), state["intermediates"]
+
+    grads, inter = jax.grad(f, has_aux=True)(zeros)
+    cut = len(layers.SOW_SUFFIX)
+    strip = lambda tree: {k[:-cut]: v for k, v in tree.items()}  # noqa: E731
+    return strip(inter), strip(grads)
 
 
 def apply_with_intermediates(model: nn.Module, variables: Mapping[str, Any], x: jnp.ndarray,
@@ -98,5 +124,6 @@ def count_params(variables: Mapping[str, Any]) -> int:
     return int(sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(params)))
 
 
-__all__ = ["build", "init", "apply_with_intermediates", "count_params", "NAMES",
+__all__ = ["build", "init", "apply_with_intermediates", "activation_gradients", "count_params",
+           "NAMES",
            "MLP", "VGG", "ResNet"]

@@ -84,9 +84,7 @@ def hidden_unit(module: nn.Module, x: jnp.ndarray, features: int, name: str, *,
     """relu(pan(norm(affine(x)))), sown as `name`."""
     x = affine(x, features, name, conv=conv, kernel=kernel, stride=stride, use_bias=use_bias)
     x = normalize(x, norm, groups, train, f"{name}_norm", mask)
-    x = nn.relu(apply_pan(x, pan))
-    sow(module, name, x)
-    return x
+    return sow(module, name, nn.relu(apply_pan(x, pan)))
 
 
 def classifier(x: jnp.ndarray, num_classes: int, name: str = "head") -> jnp.ndarray:
@@ -95,12 +93,18 @@ def classifier(x: jnp.ndarray, num_classes: int, name: str = "head") -> jnp.ndar
 
 
 SOW_SUFFIX = "_out"
+PERTURBATIONS = "perturbations"
 
 
-def sow(module: nn.Module, name: str, value: jnp.ndarray) -> None:
-    """Records an activation as `name + SOW_SUFFIX`, keeping the latest value (not a tuple).
+def sow(module: nn.Module, name: str, value: jnp.ndarray) -> jnp.ndarray:
+    """Records an activation as `name + SOW_SUFFIX` and returns it, perturbable.
 
-    The suffix keeps the key apart from the layer's own parameter scope `name`.
+    The suffix keeps the key apart from the layer's own parameter scope `name`. The
+    perturbation (a no-op unless a 'perturbations' collection is passed) lets analyses take
+    gradients with respect to this activation (preference vectors).
     """
-    module.sow("intermediates", name + SOW_SUFFIX, value, init_fn=lambda: None,
+    key = name + SOW_SUFFIX
+    value = module.perturb(key, value, collection=PERTURBATIONS)
+    module.sow("intermediates", key, value, init_fn=lambda: None,
                reduce_fn=lambda _, new: new)
+    return value

@@ -30,5 +30,5 @@ class MLP(nn.Module):
         for i, width in enumerate(self.hidden, start=1):
             x = layers.hidden_unit(self, x, width, f"fc{i}", conv=False, norm=self.norm,
                                    groups=self.groups, pan=self.pan, train=train, mask=mask)
-        layers.sow(self, "features", x)
+        x = layers.sow(self, "features", x)
         return layers.classifier(x, self.num_classes)

@@ -53,8 +53,7 @@ class ResNet(nn.Module):
                                       stride=stride, use_bias=bias)
                     x = apply_pan(layers.normalize(x, self.norm, self.groups, train,
                                                    f"{name}_shortcut_norm", mask), self.pan)
-                x = nn.relu(h + x)
-                layers.sow(self, name, x)
+                x = layers.sow(self, name, nn.relu(h + x))
         x = jnp.mean(x, axis=(1, 2))
-        layers.sow(self, "features", x)
+        x = layers.sow(self, "features", x)
         return layers.classifier(x, self.num_classes)

@@ -66,7 +66,7 @@ class VGG(nn.Module):
             x = layers.hidden_unit(self, x, _scaled(h, self.width), f"fc{i}", conv=False,
                                    norm="none", groups=self.groups,
                                    pan=self.pan if self.pan_fc else None, train=train)
-        layers.sow(self, "features", x)
+        x = layers.sow(self, "features", x)
         return layers.classifier(x, self.num_classes)
 
 

@@ -1,0 +1,64 @@
+"""The PAN paper's shuffle process during local training (Alg. 2), as an algorithm wrapper.
+
+At each local step a client permutes its hidden neurons with probability N_sf / r_k
+(r_k = its number of local steps this round, so N_sf shuffles are expected per round),
+each permutation drawn by Alg. 1 with swap probability P_sf. The model (parameters and
+BatchNorm statistics) is permuted; the optimiser state is not, as when a PyTorch model's
+weights are permuted in place. The product of the permutations applied is kept so its
+R_kept can be reported.
+
+Works for any algorithm whose local state has `params` and `model_state` fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pan import permutation as perm_lib
+from fedjax_pan.algorithms.core import FederatedAlgorithm
+
+PyTree = Any
+
+
+class ShuffledLocal(NamedTuple):
+    inner: PyTree
+    rng: jax.Array
+    prob: jax.Array  # shuffle probability per step: N_sf / r_k
+    product: Dict[str, jax.Array]  # the permutations applied so far, composed
+
+
+def with_shuffling(algorithm: FederatedAlgorithm, spec: perm_lib.PermutationSpec,
+                   p_sf: float, n_sf: float, window: Optional[float] = None
+                   ) -> FederatedAlgorithm:
+    """`algorithm` with Alg. 2's random neuron shuffles during local training."""
+
+    def client_init(server, client_state, ctx):
+        inner = algorithm.client_init(server, client_state, ctx)
+        prob = n_sf / jnp.maximum(ctx.num_steps, 1).astype(jnp.float32)
+        identity = {k: jnp.arange(n) for k, n in spec.sizes.items()}
+        return ShuffledLocal(inner, jax.random.fold_in(ctx.rng, 0x5F), prob, identity)
+
+    def shuffle(inner, perms):
+        variables = perm_lib.apply_permutation(spec, perms,
+                                               {"params": inner.params, **inner.model_state})
+        return inner._replace(params=variables["params"],
+                              model_state={k: variables[k] for k in inner.model_state})
+
+    def client_step(local, batch):
+        rng, k_do, k_perm = jax.random.split(local.rng, 3)
+        do = jax.random.uniform(k_do) <= local.prob
+        perms = perm_lib.random_permutations_jax(spec, k_perm, p_sf, window)
+        inner = jax.lax.cond(do, shuffle, lambda i, _: i, local.inner, perms)
+        product = jax.tree_util.tree_map(lambda new, old: jnp.where(do, new, old),
+                                         perm_lib.compose(local.product, perms), local.product)
+        inner, metrics = algorithm.client_step(inner, batch)
+        return ShuffledLocal(inner, rng, local.prob, product), metrics
+
+    def client_output(local, server):
+        return algorithm.client_output(local.inner, server)
+
+    return algorithm._replace(client_init=client_init, client_step=client_step,
+                              client_output=client_output)

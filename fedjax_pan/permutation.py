@@ -1,0 +1,277 @@
+"""Permutations of hidden neurons as data (git-re-basin style), and the PAN paper's shuffle test.
+
+A `PermutationSpec` says, for every leaf of a model's variables, which permutation acts on
+each axis (or none). One pure function, `apply_permutation`, applies any set of
+permutations to any variables; architecture knowledge lives only in the spec builders.
+A permutation `perm` of a layer with J neurons moves old neuron perm[j] to position j
+(`jnp.take(x, perm, axis)`), on the layer's outputs (kernel out-axis, bias, norm scale/bias,
+running statistics) and on the next layer's inputs. Input and output layers are never
+permuted; PAN encodings are constants, not variables, so they are never permuted either:
+that is exactly what breaks permutation invariance when PANs are on.
+
+Architectures (parameter names of `fedjax_pan.models`):
+  mlp      one permutation per hidden layer `fc{i}`;
+  vgg*     one per conv `conv{i}` and per FC hidden layer; the conv-to-dense flatten maps the
+           last conv's channel permutation onto the flattened (H, W, C) axis ('flat' axes);
+  resnet   one permutation per stage for the residual stream (stem, every block's conv2 and
+           projection shortcut of that stage, so residual sums stay consistent) and one for
+           the inner channels of every block (its conv1).
+With GroupNorm, a permutation must keep every channel inside its group, so `groups[name]`
+records the constraint and the random generators shuffle within groups.
+
+Shuffle test (paper Alg. 1): start from the identity; for j = 0..J-2 draw i uniformly from
+j+1..J-1 and swap positions i and j with probability P_sf. The released code's window
+variant draws i from j..min(J-1, j + floor(J * window)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+Path = Tuple[str, ...]
+
+
+class Flat(NamedTuple):
+    """An axis that flattens (..., C) feature maps, channels fastest, permuted by `name`."""
+
+    name: str
+
+
+Axis = Union[None, str, Flat]
+
+
+@dataclasses.dataclass(frozen=True)
+class PermutationSpec:
+    """axes[path] = one entry per axis of that leaf: None, a permutation name, or Flat(name)."""
+
+    axes: Dict[Path, Tuple[Axis, ...]]
+    sizes: Dict[str, int]
+    groups: Dict[str, int]
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(self.sizes)
+
+
+def _leaves(variables: Mapping[str, Any]) -> Dict[Path, Any]:
+    flat = jax.tree_util.tree_flatten_with_path(variables)[0]
+    return {tuple(k.key for k in path): leaf for path, leaf in flat}
+
+
+class _Builder:
+    """Accumulates axis assignments for the leaves of a variables tree."""
+
+    def __init__(self, variables: Mapping[str, Any], groups: int):
+        self.leaves = _leaves(variables)
+        self.axes: Dict[Path, Tuple[Axis, ...]] = {p: (None,) * np.ndim(x)
+                                                   for p, x in self.leaves.items()}
+        self.sizes: Dict[str, int] = {}
+        self.group_of: Dict[str, int] = {}
+        self.norm_groups = groups
+
+    def _set(self, path: Path, axis: int, value: Axis) -> None:
+        if path in self.axes:
+            entry = list(self.axes[path])
+            entry[axis] = value
+            self.axes[path] = tuple(entry)
+
+    def layer(self, name: str, perm_in: Axis, perm_out: Optional[str]) -> None:
+        """A Dense or Conv layer `name` (kernel's last two axes are in, out) and its norm."""
+        kernel = ("params", name, "kernel")
+        if kernel not in self.leaves:
+            raise KeyError(f"no layer {name!r} in these variables")
+        nd = np.ndim(self.leaves[kernel])
+        self._set(kernel, nd - 2, perm_in)
+        if perm_out is None:
+            return
+        self.sizes[perm_out] = int(self.leaves[kernel].shape[-1])
+        self._set(kernel, nd - 1, perm_out)
+        self._set(("params", name, "bias"), 0, perm_out)
+        norm = f"{name}_norm"
+        for col in ("params", "batch_stats"):
+            for leaf in ("scale", "bias", "mean", "var"):
+                self._set((col, norm, leaf), 0, perm_out)
+        if ("params", norm, "scale") in self.leaves and ("batch_stats", norm, "mean") not in \
+                self.leaves:  # GroupNorm: permute within groups only
+            self.group_of[perm_out] = self.norm_groups
+
+    def spec(self) -> PermutationSpec:
+        groups = {n: self.group_of.get(n, 1) for n in self.sizes}
+        return PermutationSpec(dict(self.axes), dict(self.sizes), groups)
+
+
+def _numbered(params: Mapping[str, Any], prefix: str) -> list:
+    names = [k for k in params if k.startswith(prefix) and k[len(prefix):].isdigit()]
+    return sorted(names, key=lambda k: int(k[len(prefix):]))
+
+
+def spec_for(model: Any, variables: Mapping[str, Any]) -> PermutationSpec:
+    """The permutation spec of a `fedjax_pan.models` network (read from its parameters)."""
+    groups = getattr(model, "groups", 1)
+    b = _Builder(variables, groups)
+    params = variables["params"]
+    convs, fcs = _numbered(params, "conv"), _numbered(params, "fc")
+    if "stem" in params:  # ResNet
+        stages = sorted({int(k[5:k.index("_")]) for k in params if k.startswith("stage")})
+        stream: Axis = None
+        b.layer("stem", None, "res1")
+        stream = "res1"
+        for s in stages:
+            blocks = sorted({int(k.split("_")[1][5:]) for k in params
+                             if k.startswith(f"stage{s}_block")})
+            for blk in blocks:
+                name = f"stage{s}_block{blk}"
+                inner = f"{name}_inner"
+                b.layer(f"{name}_conv1", stream, inner)
+                if f"{name}_shortcut" in params:
+                    b.layer(f"{name}_shortcut", stream, f"res{s}")
+                elif stream != f"res{s}":
+                    raise ValueError(f"{name} changes stage without a projection shortcut")
+                b.layer(f"{name}_conv2", inner, f"res{s}")
+                stream = f"res{s}"
+        b.layer("head", stream, None)
+        return b.spec()
+    prev: Axis = None
+    for name in convs:
+        b.layer(name, prev, name)
+        prev = name
+    if convs:
+        prev = Flat(prev)
+    for name in fcs:
+        b.layer(name, prev, name)
+        prev = name
+    b.layer("head", prev, None)
+    return b.spec()
+
+
+def _axis_index(axis: Axis, perms: Mapping[str, Any], length: int, xp) -> Any:
+    if isinstance(axis, Flat):
+        perm = perms[axis.name]
+        channels = perm.shape[0]
+        blocks = length // channels
+        return (xp.arange(blocks)[:, None] * channels + perm[None, :]).reshape(-1)
+    return perms[axis]
+
+
+def apply_permutation(spec: PermutationSpec, perms: Mapping[str, Any],
+                      variables: Mapping[str, Any]) -> Dict[str, Any]:
+    """Variables with every permuted axis reordered; works on numpy and inside jit."""
+    def permute(path, leaf):
+        key = tuple(k.key for k in path)
+        axes = spec.axes.get(key)
+        if axes is None:
+            raise KeyError(f"leaf {'/'.join(key)} is not covered by the permutation spec")
+        xp = jnp if isinstance(leaf, jax.Array) else np
+        for axis, entry in enumerate(axes):
+            if entry is not None:
+                leaf = xp.take(leaf, _axis_index(entry, perms, leaf.shape[axis], xp), axis=axis)
+        return leaf
+    return jax.tree_util.tree_map_with_path(permute, dict(variables))
+
+
+def inverse(perms: Mapping[str, Any]) -> Dict[str, Any]:
+    """The permutations undoing `perms`."""
+    return {k: (jnp if isinstance(p, jax.Array) else np).argsort(p) for k, p in perms.items()}
+
+
+def compose(first: Mapping[str, Any], then: Mapping[str, Any]) -> Dict[str, Any]:
+    """The single permutation equal to applying `first`, then `then`."""
+    return {k: first[k][then[k]] for k in first}
+
+
+def identity(spec: PermutationSpec) -> Dict[str, np.ndarray]:
+    return {k: np.arange(n) for k, n in spec.sizes.items()}
+
+
+# ----------------------------------------------------------------------------------------
+# The shuffle test.
+# ----------------------------------------------------------------------------------------
+
+def shuffle_permutation(rng: np.random.Generator, size: int, p_sf: float,
+                        window: Optional[float] = None) -> np.ndarray:
+    """Alg. 1's random permutation (or the released code's window variant)."""
+    perm = np.arange(size)
+    for j in range(size - 1):
+        if window is None:
+            i = int(rng.integers(j + 1, size))
+        else:
+            i = int(rng.integers(j, min(size - 1, j + int(np.floor(size * window))) + 1))
+        if rng.random() <= p_sf:
+            perm[[i, j]] = perm[[j, i]]
+    return perm
+
+
+def shuffle_permutation_jax(key: jax.Array, size: int, p_sf: jax.Array,
+                            window: Optional[float] = None) -> jax.Array:
+    """Alg. 1 in jax (for shuffling inside compiled local training); same distribution."""
+    def body(j, carry):
+        perm, key = carry
+        key, k_i, k_p = jax.random.split(key, 3)
+        if window is None:
+            i = jax.random.randint(k_i, (), j + 1, size)
+        else:
+            hi = jnp.minimum(size - 1, j + int(np.floor(size * window)))
+            i = jax.random.randint(k_i, (), j, hi + 1)
+        swap = jax.random.uniform(k_p) <= p_sf
+        pi, pj = perm[i], perm[j]
+        perm = perm.at[j].set(jnp.where(swap, pi, pj)).at[i].set(jnp.where(swap, pj, pi))
+        return perm, key
+    perm, _ = jax.lax.fori_loop(0, size - 1, body, (jnp.arange(size), key))
+    return perm
+
+
+def _grouped(make, size: int, groups: int):
+    """Applies a permutation generator within each of `groups` contiguous channel groups."""
+    width = size // groups
+    return [make(width) + g * width for g in range(groups)]
+
+
+def random_permutations(spec: PermutationSpec, rng: np.random.Generator, p_sf: float,
+                        window: Optional[float] = None) -> Dict[str, np.ndarray]:
+    """One Alg. 1 permutation per hidden layer (within groups for GroupNorm layers)."""
+    return {name: np.concatenate(_grouped(lambda w: shuffle_permutation(rng, w, p_sf, window),
+                                          size, spec.groups[name]))
+            for name, size in spec.sizes.items()}
+
+
+def random_permutations_jax(spec: PermutationSpec, key: jax.Array, p_sf: jax.Array,
+                            window: Optional[float] = None) -> Dict[str, jax.Array]:
+    keys = jax.random.split(key, len(spec.sizes))
+    out = {}
+    for k, (name, size) in zip(keys, spec.sizes.items()):
+        group_keys = iter(jax.random.split(k, spec.groups[name]))
+        out[name] = jnp.concatenate(_grouped(
+            lambda w: shuffle_permutation_jax(next(group_keys), w, p_sf, window),
+            size, spec.groups[name]))
+    return out
+
+
+def r_kept(perm: Any) -> float:
+    """Fraction of neurons left in place: mean(diag(Pi)) (Fig. 2)."""
+    perm = np.asarray(perm)
+    return float(np.mean(perm == np.arange(len(perm))))
+
+
+def fl_shuffle_product(rng: np.random.Generator, size: int, p_sf: float, n_sf: float,
+                       steps: int, window: Optional[float] = None) -> np.ndarray:
+    """The product of Alg. 2's permutations over `steps` local steps (shuffle w.p. n_sf/steps)."""
+    total = np.arange(size)
+    for _ in range(steps):
+        if rng.random() <= n_sf / steps:
+            total = total[shuffle_permutation(rng, size, p_sf, window)]
+    return total
+
+
+def shuffle_error(model: Any, variables: Mapping[str, Any], perms: Mapping[str, Any],
+                  spec: PermutationSpec, inputs: jax.Array) -> float:
+    """Eq. 8: mean over inputs of ||h_L,sf - h_L||_2 / J_L, in eval mode."""
+    out = model.apply(variables, inputs, train=False)
+    out_sf = model.apply(apply_permutation(spec, perms, variables), inputs, train=False)
+    diff = np.asarray(out_sf, np.float64) - np.asarray(out, np.float64)
+    return float(np.mean(np.linalg.norm(diff, axis=-1)) / diff.shape[-1])

@@ -1,0 +1,146 @@
+"""Permutation specs: invariance with PANs off, inverses, generators vs their expectation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pan import models
+from fedjax_pan import permutation as P
+
+SMALL = {"vgg9": {"width": 0.25}, "vgg11": {"width": 0.25}, "vgg13": {"width": 0.25},
+         "vgg16": {"width": 0.25}, "resnet20": {"widths": (16, 32, 64), "stem_width": 16},
+         "mlp": {"hidden": [64, 48, 32]}}
+
+
+def _model(name, norm, pan=None, shape=(32, 32, 3)):
+    model = models.build(name, 10, norm=norm, pan=pan, **SMALL[name])
+    variables = models.init(model, jax.random.PRNGKey(0), shape)
+    if "batch_stats" in variables:  # realistic running statistics from a train-mode pass
+        x = jnp.asarray(np.random.default_rng(5).normal(size=(16, *shape)), jnp.float32)
+        _, state = model.apply(variables, x, train=True, mutable=["batch_stats"])
+        variables["batch_stats"] = state["batch_stats"]
+    return model, variables
+
+
+CASES = [(n, norm) for n in ["mlp", "vgg9", "vgg11", "vgg13", "vgg16", "resnet20"]
+         for norm in ["none", "batch", "group(4)"]]
+
+
+@pytest.mark.parametrize("name,norm", CASES)
+def test_pans_off_networks_are_permutation_invariant(name, norm):
+    model, variables = _model(name, norm)
+    spec = P.spec_for(model, variables)
+    perms = P.random_permutations(spec, np.random.default_rng(1), p_sf=1.0)
+    assert all(P.r_kept(p) < 0.2 for p in perms.values())  # really shuffled
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(4, 32, 32, 3)), jnp.float32)
+    out = np.asarray(model.apply(variables, x))
+    permuted = P.apply_permutation(spec, perms, variables)
+    out_sf = np.asarray(model.apply(permuted, x))
+    assert np.max(np.abs(out_sf - out)) <= 1e-5 * np.max(np.abs(out))
+    # ... while the parameters themselves did change, and the inverse restores them exactly.
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(permuted),
+                                                        jax.tree_util.tree_leaves(variables)))
+    back = P.apply_permutation(spec, P.inverse(perms), permuted)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(variables)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_spec_structure_of_vgg9_and_resnet20():
+    model, variables = _model("vgg9", "batch")
+    spec = P.spec_for(model, variables)
+    assert spec.axes[("params", "fc1", "kernel")] == (P.Flat("conv6"), "fc1")
+    assert spec.axes[("params", "conv1", "kernel")] == (None, None, None, "conv1")
+    assert spec.axes[("params", "head", "kernel")] == ("fc2", None)
+    assert spec.axes[("params", "head", "bias")] == (None,)
+    assert spec.axes[("batch_stats", "conv3_norm", "var")] == ("conv3",)
+    model, variables = _model("resnet20", "batch")
+    spec = P.spec_for(model, variables)
+    # One permutation per residual stream: a stage's conv2s and its shortcut share it.
+    assert spec.axes[("params", "stage2_block1_shortcut", "kernel")] == (None, None, "res1", "res2")
+    assert spec.axes[("params", "stage2_block3_conv2", "kernel")][-1] == "res2"
+    assert spec.axes[("params", "stage2_block1_conv1", "kernel")][2:] == ("res1",
+                                                                       "stage2_block1_inner")
+    assert spec.sizes["res3"] == 64 and len(spec.sizes) == 3 + 9
+
+
+def test_group_norm_permutations_stay_within_groups():
+    model, variables = _model("mlp", "group(4)")
+    spec = P.spec_for(model, variables)
+    assert set(spec.groups.values()) == {4}
+    for name, perm in P.random_permutations(spec, np.random.default_rng(0), 1.0).items():
+        width = spec.sizes[name] // 4
+        np.testing.assert_array_equal(perm // width, np.arange(len(perm)) // width)
+
+
+def _expected_r_kept(size, p):
+    """Alg. 1: position k keeps its neuron iff no earlier step picks it and its own step
+    does not swap: prod_{j<k} (1 - p/(J-1-j)) * (1 - p if k < J-1)."""
+    total = 0.0
+    for k in range(size):
+        stay = np.prod([1 - p / (size - 1 - j) for j in range(k)])
+        total += stay * ((1 - p) if k < size - 1 else 1.0)
+    return total / size
+
+
+@pytest.mark.parametrize("p_sf", [0.1, 0.5, 1.0])
+def test_generator_r_kept_matches_its_expectation(p_sf):
+    size, draws = 16, 3000
+    rng = np.random.default_rng(0)
+    kept = [P.r_kept(P.shuffle_permutation(rng, size, p_sf)) for _ in range(draws)]
+    want = _expected_r_kept(size, p_sf)
+    assert abs(np.mean(kept) - want) < 4 * np.std(kept) / np.sqrt(draws) + 1e-3
+    keys = jax.random.split(jax.random.PRNGKey(0), 400)
+    gen = jax.jit(jax.vmap(lambda k: P.shuffle_permutation_jax(k, size, p_sf)))
+    perms = np.asarray(gen(keys))
+    assert all(sorted(p) == list(range(size)) for p in perms)
+    kept_jax = [P.r_kept(p) for p in perms]
+    assert abs(np.mean(kept_jax) - want) < 4 * np.std(kept_jax) / np.sqrt(400) + 1e-3
+
+
+def test_window_variant_and_zero_probability():
+    rng = np.random.default_rng(0)
+    assert P.r_kept(P.shuffle_permutation(rng, 50, 0.0)) == 1.0
+    perm = P.shuffle_permutation(rng, 50, 1.0, window=0.1)
+    assert sorted(perm) == list(range(50))
+    p = np.asarray(P.shuffle_permutation_jax(jax.random.PRNGKey(1), 50, 1.0, window=0.1))
+    assert sorted(p) == list(range(50))
+
+
+def test_fl_shuffle_product_keeps_fewer_neurons_as_n_sf_grows():
+    rng = np.random.default_rng(0)
+    means = [np.mean([P.r_kept(P.fl_shuffle_product(rng, 32, 0.1, n_sf, 50))
+                      for _ in range(150)]) for n_sf in [0, 1, 4, 16]]
+    assert means[0] == 1.0 and means[0] > means[1] > means[2] > means[3]
+
+
+def test_compose_and_inverse():
+    rng = np.random.default_rng(3)
+    a, b = {"x": rng.permutation(7)}, {"x": rng.permutation(7)}
+    v = np.arange(7) * 10
+    np.testing.assert_array_equal(v[P.compose(a, b)["x"]], v[a["x"]][b["x"]])
+    np.testing.assert_array_equal(P.compose(a, P.inverse(a))["x"], np.arange(7))
+
+
+@pytest.mark.parametrize("name", ["mlp", "vgg13", "resnet20"])
+def test_shuffle_error_grows_with_amplitude_and_faster_for_pan_mul(name):
+    """Eq. 8 on N(0,1) inputs: ~0 with PANs off, positive and increasing in A when on, and
+    PANx grows faster (superlinearly, its A^(L-1) terms) than PAN+ (paper Sect. 3.2)."""
+    model, variables = _model(name, "batch" if name == "resnet20" else "none")
+    spec = P.spec_for(model, variables)
+    perms = P.random_permutations(spec, np.random.default_rng(2), 1.0)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(16, 32, 32, 3)), jnp.float32)
+    amps = [0.05, 0.1, 0.2, 0.4]
+    err = {}
+    for kind in ["add", "mul"]:
+        err[kind] = [P.shuffle_error(models.build(name, 10, pan={"kind": kind, "amplitude": a},
+                                                  norm="batch" if name == "resnet20" else "none",
+                                                  **SMALL[name]), variables, perms, spec, x)
+                     for a in amps]
+        assert np.all(np.diff(err[kind]) > 0), (kind, err[kind])
+    off = P.shuffle_error(model, variables, perms, spec, x)
+    assert off < 1e-4 * err["add"][0]
+    growth = {k: e[-1] / e[0] for k, e in err.items()}
+    assert growth["mul"] > growth["add"], growth
+    if name == "resnet20":  # normalised activations: PANx's error is also larger outright
+        assert all(m > a for m, a in zip(err["mul"], err["add"]))
