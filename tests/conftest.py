@@ -4,6 +4,7 @@ import os
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -36,6 +37,21 @@ def tiny_fedavg(norm="none", pan=None, image_shape=(6, 6, 1), warmup="steps", bn
     return model, variables, algo
 
 
+def random_variables(model, input_shape, seed, bias_scale=0.1):
+    """He-scaled numpy parameters; shapes from eval_shape (models.init compiles slowly on CPU)."""
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                               jnp.zeros((1, *input_shape)), train=False))
+    rng = np.random.default_rng(seed)
+
+    def fill(path, s):
+        if path[-1].key == "kernel":
+            fan_in = int(np.prod(s.shape[:-1]))
+            return (rng.normal(size=s.shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+        return (rng.normal(size=s.shape) * bias_scale).astype(np.float32)
+
+    return {"params": jax.tree_util.tree_map_with_path(fill, shapes["params"])}
+
+
 def max_rel_err(a, b, floor=1e-2):
     """Max over leaves of max|a - b| / max(max|b|, floor).
 
@@ -50,5 +66,5 @@ def max_rel_err(a, b, floor=1e-2):
                for x, y in zip(la, lb))
 
 
-__all__ = ["ROOT", "needs_fmnist", "tiny_clients", "tiny_fedavg", "max_rel_err", "LocalWork",
-           "sys"]
+__all__ = ["ROOT", "needs_fmnist", "tiny_clients", "tiny_fedavg", "max_rel_err",
+           "random_variables", "LocalWork", "sys"]

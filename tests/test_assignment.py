@@ -7,24 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import random_variables
 from fedjax_pan import data, models
 from fedjax_pan.analysis import (assignment_matrix, diagonal_ratio, match_layer,
                                  neuron_representations, optimal_assignment)
-
-
-def random_variables(model, input_shape, seed, bias_scale=0.1):
-    """He-scaled numpy parameters; shapes from eval_shape (models.init compiles slowly on CPU)."""
-    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
-                                               jnp.zeros((1, *input_shape)), train=False))
-    rng = np.random.default_rng(seed)
-
-    def fill(path, s):
-        if path[-1].key == "kernel":
-            fan_in = int(np.prod(s.shape[:-1]))
-            return (rng.normal(size=s.shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
-        return (rng.normal(size=s.shape) * bias_scale).astype(np.float32)
-
-    return {"params": jax.tree_util.tree_map_with_path(fill, shapes["params"])}
 
 
 @pytest.fixture(scope="module")

@@ -185,15 +185,15 @@ class VmapExecutor:
             carry, _ = jax.lax.scan(body, carry, t0 + jnp.arange(length, dtype=jnp.int32))
             return self._constrain(tree_map(lambda x: x[None], carry) if single else carry)
 
-        def finish(server, carry, weights, out_sum, metrics):
-            local, acc = carry
-            outs, states = over_clients(p.finish, (None, 0, 0))(server, local, weights)
-            return _add(out_sum, _sum0(outs)), _add(metrics, _sum0(acc)), states
-
-        def first_finish(server, carry, weights, metrics):
+        def finish_group(server, carry, weights, metrics):
+            """The group's weighted output sum, updated metrics, and new client states."""
             local, acc = carry
             outs, states = over_clients(p.finish, (None, 0, 0))(server, local, weights)
             return _sum0(outs), _add(metrics, _sum0(acc)), states
+
+        def finish(server, carry, weights, out_sum, metrics):
+            group_sum, metrics, states = finish_group(server, carry, weights, metrics)
+            return _add(out_sum, group_sum), metrics, states
 
         self._init = jax.jit(init)
         self._chunk = jax.jit(run_chunk, static_argnums=(0,), donate_argnums=(2,))
@@ -203,7 +203,7 @@ class VmapExecutor:
                                   | {self.chunk}, reverse=True)
         self._compiled = None
         self._finish = jax.jit(finish, donate_argnums=(3,))
-        self._first_finish = jax.jit(first_finish)
+        self._first_finish = jax.jit(finish_group)
 
     def _constrain(self, carry):
         # Pins the client axis' sharding so chunk outputs feed the next (precompiled) chunk.
