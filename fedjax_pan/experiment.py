@@ -15,7 +15,7 @@ import math
 import os
 import shutil
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import jax
 import ml_collections

@@ -14,7 +14,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import flax.linen as nn
