@@ -13,7 +13,7 @@ run: setup
 	$(PY) -m fedjax_pan.main --config=configs/fmnist_mlp.py:compare --workdir=$(WORKDIR) --overwrite
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
 
 bench: setup
 	$(PY) -m benchmarks.run --suite cpu --out runs/bench

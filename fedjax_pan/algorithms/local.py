@@ -103,10 +103,14 @@ def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalSta
     if grad_transform is not None:
         grads = grad_transform(grads, local)
     updates, opt_state = tx.update(grads, local.opt_state, local.params)
-    scale = local.lr_scale
-    if warmup == "steps" and warmup_length > 0:
-        scale = scale * jnp.minimum((local.step + 1) / warmup_length, 1.0)
-    updates = jax.tree_util.tree_map(lambda u: u * scale.astype(u.dtype), updates)
+    if warmup != "none":  # without warm-up the factor is 1: skip a pass over all parameters
+        scale = local.lr_scale
+        if warmup == "steps" and warmup_length > 0:
+            scale = scale * jnp.minimum((local.step + 1) / warmup_length, 1.0)
+        # After warm-up the factor is 1; cond skips the pass then (a select if vmapped).
+        updates = jax.lax.cond(
+            scale == 1.0, lambda u: u,
+            lambda u: jax.tree_util.tree_map(lambda x: x * scale.astype(x.dtype), u), updates)
     params = optax.apply_updates(local.params, updates)
     new_local = LocalState(params, new_state, opt_state, local.step + 1, local.lr_scale)
     return new_local, {"loss_sum": loss_sum, "num_examples": count}

@@ -82,9 +82,13 @@ def init(model: nn.Module, rng: jax.Array, input_shape: Tuple[int, ...]) -> Dict
 
     Analysis-only collections (intermediates, perturbations) are left out.
     """
-    variables = model.init(rng, jnp.zeros((1, *input_shape), jnp.float32), train=False)
-    return {k: v for k, v in variables.items()
-            if k not in ("intermediates", layers.PERTURBATIONS)}
+    # One compiled program; run eagerly, init compiles every random op separately (slow).
+    @jax.jit
+    def _init(key):
+        variables = model.init(key, jnp.zeros((1, *input_shape), jnp.float32), train=False)
+        return {k: v for k, v in variables.items()
+                if k not in ("intermediates", layers.PERTURBATIONS)}
+    return _init(rng)
 
 
 def activation_gradients(model: nn.Module, variables: Mapping[str, Any], x: jnp.ndarray,

@@ -1,0 +1,217 @@
+"""Targets, the printed table and RESULTS.md, all derived from the results tree."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+Results = Dict[str, Any]
+
+# (name, section path, threshold, comparison); values are looked up by `_target_value`.
+TARGETS = (
+    ("MLP bench local training >= 85% of the matmul ceiling", "mlp_ceiling", 0.85, ">="),
+    ("End-to-end MLP round >= 1.25x faster than the naive loop", "mlp_speedup", 1.25, ">="),
+    ("Padding efficiency >= 90% at alpha=0.1", "padding", 0.90, ">="),
+    ("auto within 10% of the best strategy (MLP)", "auto_mlp", 1.10, "<="),
+    ("auto within 10% of the best strategy (VGG9)", "auto_vgg9", 1.10, "<="),
+)
+
+
+def _target_value(results: Results, key: str) -> Optional[float]:
+    """The measured figure a target is judged on (for `auto`'s pick), None if not run."""
+    if key.startswith("mlp") and "mlp" in results:
+        rec = results["mlp"]["strategies"][results["mlp"]["auto"]["picks"]]
+        return rec["fraction_of_ceiling"] if key == "mlp_ceiling" else rec["speedup_vs_naive"]
+    if key == "padding" and "padding" in results:
+        pad = results["padding"]
+        return pad["configs"][pad["auto"]["picks"]]["padding_efficiency"]
+    if key == "auto_mlp" and "mlp" in results:
+        return results["mlp"]["auto"]["ratio_to_best"]
+    if key == "auto_vgg9" and "vgg" in results:
+        gated = [b for b in results["vgg"].values() if b["gates_auto_target"]]
+        return max(b["auto"]["ratio_to_best"] for b in gated) if gated else None
+    return None
+
+
+def evaluate_targets(results: Results) -> List[Dict[str, Any]]:
+    """PASS / MISS (or n/a when the section was not run) for each target."""
+    out = []
+    for name, key, threshold, op in TARGETS:
+        value = _target_value(results, key)
+        if value is None:
+            status = "n/a"
+        else:
+            ok = value >= threshold if op == ">=" else value <= threshold
+            status = "PASS" if ok else "MISS"
+        out.append({"name": name, "value": value, "threshold": threshold, "op": op,
+                    "status": status})
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------
+
+COLUMNS = ("config", "s/round", "eval s", "end-to-end s", "examples/s", "GFLOP/s",
+           "% ceiling", "padding eff", "vs naive (e2e)", "vs naive (train)",
+           "compiles warm/timed", "reps")
+
+
+def _row(name: str, rec: Dict[str, Any]) -> List[str]:
+    def opt(key: str, fmt: str) -> str:
+        return format(rec[key], fmt) if rec.get(key) is not None else "-"
+    return [name, f"{rec['seconds_per_round']:.3f}", f"{rec['eval_seconds']:.3f}",
+            f"{rec['end_to_end_seconds']:.3f}", f"{rec['examples_per_second']:.0f}",
+            f"{rec['gflops']:.1f}", f"{100 * rec['fraction_of_ceiling']:.1f}%",
+            f"{100 * rec['padding_efficiency']:.1f}%", opt("speedup_vs_naive", ".2f"),
+            opt("training_speedup_vs_naive", ".2f"),
+            f"{rec['compiles_warmup']}/{rec['compiles_timed']}", str(rec["reps"])]
+
+
+def _strategy_rows(configs: Dict[str, Dict[str, Any]], naive: Dict[str, Any],
+                   auto: str) -> List[List[str]]:
+    rows = [_row(f"{k} (auto)" if k == auto else k, v) for k, v in configs.items()]
+    return rows + [_row("naive loop", naive)]
+
+
+def _text_table(header: List[str], rows: List[List[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header] + rows) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.rjust(w) if i else c.ljust(w)  # noqa: E731
+                              for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join([fmt(header), "  ".join("-" * w for w in widths)] + [fmt(r) for r in rows])
+
+
+def _md_table(header: List[str], rows: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def _describe(w: Dict[str, Any]) -> str:
+    size = (f"{w['client_size_min']}" if w["client_size_min"] == w["client_size_max"] else
+            f"{w['client_size_min']}-{w['client_size_max']} (mean {w['client_size_mean']:.0f})")
+    return (f"{w['name']}: {w['num_clients']} clients x {size} examples, "
+            f"{w['clients_per_round']} per round, B={w['batch_size']}, E={w['epochs']:g}, "
+            f"{w['params']:,} params, {w['flops_per_example'] / 1e6:.1f} MFLOP/example "
+            f"(training), test set {w['test_examples']}")
+
+
+def _blocks(results: Results) -> List[tuple]:
+    """(title, description lines, header, rows) of every table, in report order."""
+    blocks = []
+    mm = results["matmul"]
+    per_section = mm.get("per_section_gflops", {})
+    again = ", ".join(f"{k} {v:.1f}" for k, v in per_section.items())
+    blocks.append(("Matmul ceiling", [
+        f"jitted float32 {mm['size']}x{mm['size']} @ {mm['size']}x{mm['size']}, median of "
+        f"{mm['reps']}: {mm['gflops']:.1f} GFLOP/s (best {mm['best_gflops']:.1f})",
+        f"re-measured before each section, whose '% ceiling' uses its own: {again or '-'}"],
+        None, None))
+    if "mlp" in results:
+        r = results["mlp"]
+        agree = ", ".join(f"{k} {v:.1e}" for k, v in r["agreement_max_rel_diff"].items())
+        blocks.append(("MLP bench", [
+            _describe(r["workload"]),
+            f"auto picks {r['auto']['picks']}; best {r['auto']['best']}; auto/best = "
+            f"{r['auto']['ratio_to_best']:.3f}",
+            f"engine vs naive averaged model after round 0 (max rel diff): {agree}"],
+            list(COLUMNS), _strategy_rows(r["strategies"], r["naive"], r["auto"]["picks"])))
+    if "padding" in results:
+        r = results["padding"]
+        rows = _strategy_rows(r["configs"], r["naive"], r["auto"]["picks"])
+        header = list(COLUMNS) + ["expected eff (cohorts)"]
+        for row, rec in zip(rows, list(r["configs"].values()) + [r["naive"]]):
+            exp = rec.get("expected_padding_efficiency")
+            row.append("-" if exp is None else f"{100 * exp:.1f}%")
+        blocks.append((f"Padding ({r['dataset']}, Dirichlet alpha={r['alpha']:g})", [
+            _describe(r["workload"]),
+            "bucketed = clients sorted by step count (library); unbucketed = cohort order; "
+            "a single group (G = clients per round) cannot gain from sorting",
+            "the naive loop compiles its step anew for every new short-batch size; its timed "
+            "rounds include those compilations (compiles column)"], header, rows))
+    for key, r in results.get("vgg", {}).items():
+        agree = ", ".join(f"{k} {v:.1e}" for k, v in r["agreement_max_rel_diff"].items())
+        blocks.append((f"Convnet {key} ({r['model']}, width {r['width']:g})", [
+            _describe(r["workload"]),
+            f"auto picks {r['auto']['picks']}; best {r['auto']['best']}; auto/best = "
+            f"{r['auto']['ratio_to_best']:.3f}",
+            f"engine vs naive averaged model after round 0 (max rel diff): {agree}"],
+            list(COLUMNS), _strategy_rows(r["strategies"], r["naive"], r["auto"]["picks"])))
+    if "scaling" in results:
+        r = results["scaling"]
+        header = ["clients/round", "s/round", "s/client", "per-client vs first", "examples/s",
+                  "GFLOP/s", "% ceiling", "compiles warm/timed", "reps"]
+        rows = [[str(p["clients_per_round"]), f"{p['seconds_per_round']:.3f}",
+                 f"{p['seconds_per_client']:.4f}", f"{p['per_client_vs_first']:.3f}",
+                 f"{p['examples_per_second']:.0f}", f"{p['gflops']:.1f}",
+                 f"{100 * p['fraction_of_ceiling']:.1f}%",
+                 f"{p['compiles_warmup']}/{p['compiles_timed']}", str(p["reps"])]
+                for p in r["points"]]
+        blocks.append(("Scaling (MLP bench)", [
+            f"strategy {r['strategy']} (auto); compiles after warm-up: "
+            f"{r['compiles_after_warmup']}"], header, rows))
+    return blocks
+
+
+def _summary_lines(results: Results) -> List[str]:
+    mem, comp = results["memory"], results["compiles"]
+    device = ("" if mem.get("device_peak_mib") is None else
+              f"; device peak {mem['device_peak_mib']:.0f} MiB")
+    return [f"compilations: {comp['count']} in {comp['seconds']:.1f} s; peak RSS "
+            f"{mem['peak_rss_mib']:.0f} MiB{device}; suite wall time "
+            f"{results['total_seconds']:.0f} s"]
+
+
+def _target_lines(results: Results) -> List[str]:
+    lines = []
+    for t in results["targets"]:
+        value = "-" if t["value"] is None else f"{t['value']:.3f}"
+        lines.append(f"{t['status']:<4}  {t['name']}: {value} ({t['op']} {t['threshold']:g})")
+    return lines
+
+
+def format_text(results: Results) -> str:
+    """The table printed at the end of a run."""
+    out = []
+    for title, lines, header, rows in _blocks(results):
+        out += [f"== {title}"] + [f"   {line}" for line in lines]
+        if header:
+            out.append(_text_table(header, rows))
+        out.append("")
+    out += ["== Targets"] + _target_lines(results) + [""] + _summary_lines(results)
+    return "\n".join(out)
+
+
+def _machine_lines(meta: Dict[str, Any]) -> List[str]:
+    git = meta.get("git")
+    commit = "unknown" if not git else git["commit"] + (" (uncommitted changes)"
+                                                          if git["dirty"] else "")
+    load = lambda v: "-" if v is None else ", ".join(f"{x:.2f}" for x in v)  # noqa: E731
+    return [f"- date: {meta['date']}", f"- commit: {commit}",
+            f"- machine: {meta['platform']}; {meta['cpu']}; {meta['cpu_count']} cores",
+            f"- backend: {meta['backend']} ({meta['device_kind']}, {len(meta['devices'])} "
+            f"device(s)); jax {meta['jax']}, jaxlib {meta['jaxlib']}, flax {meta['flax']}, "
+            f"optax {meta['optax']}, python {meta['python']}",
+            f"- load average (1/5/15 min) at start: {load(meta['load_average_start'])}; at "
+            f"end: {load(meta.get('load_average_end'))}"]
+
+
+def format_markdown(results: Results, command: str = "") -> str:
+    """RESULTS.md: machine, date, commit, every table, the targets."""
+    s = results["settings"]
+    out = ["# Benchmark results", "",
+           f"Suite `{s['suite']}`{' (quick sizes)' if s['quick'] else ''}, {s['warmup']} "
+           f"warm-up round(s), then the median of up to {s['reps']} timed rounds per "
+           "configuration (fewer where noted in `reps`). Generated by "
+           f"`{command or 'python -m benchmarks.run'}`; times are seconds per federated "
+           "round, `end-to-end` includes evaluating the global model on the test set, "
+           "`vs naive` is the naive per-batch loop's time over this row's, measured in the "
+           "same run.", ""]
+    out += _machine_lines(results["meta"]) + [""]
+    out += ["## Targets", "", _md_table(["status", "target", "measured"], [
+        [t["status"], t["name"], "-" if t["value"] is None else f"{t['value']:.3f}"]
+        for t in results["targets"]]), ""]
+    for title, lines, header, rows in _blocks(results):
+        out += [f"## {title}", ""] + [f"- {line}" for line in lines] + [""]
+        if header:
+            out += [_md_table(header, rows), ""]
+    out += ["## Totals", ""] + _summary_lines(results) + [""]
+    return "\n".join(out)

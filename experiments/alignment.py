@@ -1,0 +1,157 @@
+"""PAN paper Figs. 7-8 (and 19, 22-23 for the MLP): are neurons at the same coordinates of
+the global and a local model aligned, PANs off vs on?
+
+A global MLP is trained with FedAvg on Fashion-MNIST (K = 10, R = 1.0, Dirichlet alpha = 1.0,
+B = 64, SGD lr 0.05 momentum 0.9) for H rounds; then one randomly sampled client trains E
+epochs from the global model (App. E), giving its local model. Two analyses (Sect. 5.2):
+
+(a) Matching via optimal assignment (Fig. 7): every neuron of a layer is represented by its
+    activations on 500 test samples; the Hungarian method matches global to local neurons
+    minimising the summed Euclidean distances; the share of matches on the diagonal says
+    how many neurons kept their coordinates (a random matching gives 1/J).
+(b) Preference vectors (Fig. 8): p[i, c] = sum_b Acti(x_c,b) dZ_c/dActi(x_c,b) over the
+    class-c test samples; the fraction of neurons whose preferred class (argmax_c) agrees
+    between global and local model.
+
+Layers: fc2 and fc3 (the MLP's `features` is fc3's output, so it is not repeated).
+The paper uses Mnist, H = 20, E = 20. Presets: paper (full data, H = 20, E = 20, all test
+samples for preferences), default (a 20,000-example subset, H = 5 rounds of E = 2, then 10
+local epochs for the analysed client), smoke (synthetic data, small MLP, K = 4).
+Outputs: alignment.json, alignment.csv, fig7_assignment_<layer>_<off|on>.png,
+fig8_preferences_<layer>_<off|on>.png (the first `show_neurons` neurons; agreement in the
+JSON counts all of them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from types import MappingProxyType
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from experiments import common
+from experiments.common import FLSetup, Pan
+from fedjax_pan import experiment
+from fedjax_pan.analysis import (class_agreement, diagonal_ratio, neuron_classes,
+                                 neuron_representations, optimal_assignment, plot_assignment,
+                                 plot_preferences, preference_vectors)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    setup: FLSetup = FLSetup(train_limit=20_000, alpha=1.0, epochs=2.0, rounds=5)
+    local_epochs: Optional[float] = 10.0  # the analysed client's E (None: setup.epochs)
+    pan_on: Pan = common.PANS_ON
+    num_samples: int = 500  # test samples representing a neuron (paper: 500)
+    preference_samples: int = 2000  # test samples for the preference vectors
+    assignment_layers: Tuple[str, ...] = ("fc2", "fc3")
+    preference_layers: Tuple[str, ...] = ("fc2", "fc3")
+    show_neurons: int = 64
+
+
+PRESETS = MappingProxyType({
+    "paper": Settings(setup=FLSetup(alpha=1.0, epochs=20.0, rounds=20), local_epochs=None,
+                      preference_samples=10_000),
+    "default": Settings(),
+    "smoke": Settings(setup=FLSetup(dataset="synthetic", hidden=(64, 64, 64), num_clients=4,
+                                    alpha=1.0, epochs=1.0, rounds=2, warmup="none",
+                                    strategy="loop"),
+                      local_epochs=2.0, num_samples=100, preference_samples=200,
+                      show_neurons=16),
+})
+
+
+def analysed_client(cfg: Any, state: Any, local_epochs: Optional[float]
+                    ) -> Tuple[int, Any]:
+    """(client id, local variables) of one client sampled in round `state.round`, trained
+    alone from the global model for `local_epochs` (an experiment sampling 1 of K clients)."""
+    one = cfg.copy_and_resolve_references()
+    one.participation = 1.0 / cfg.partition.num_clients
+    if local_epochs is not None:
+        one.local.epochs = float(local_epochs)
+    exp = experiment.build(one)
+    client = int(exp.simulation.sample(state.round)[0])
+    return client, common.local_variables(exp, state)[0]
+
+
+def run(s: Settings, ctx: common.Context) -> List[str]:
+    results, rows = {}, []
+    for name, pan in (("off", common.PANS_OFF), ("on", s.pan_on)):
+        cfg = common.fl_config(s.setup, pan, ctx.seed)
+        exp, state, info = common.train_fl(cfg, ctx.progress, f"PANs {name}")
+        glob = common.global_variables(exp, state)
+        client, local = analysed_client(cfg, state, s.local_epochs)
+        x, _ = common.sample_test_inputs(exp, s.num_samples, ctx.seed)
+        px, py = common.sample_test_inputs(exp, s.preference_samples, ctx.seed + 1)
+        res = {"pan": pan, "client": client, "test_accuracy": info["test_accuracy"],
+               "train_loss": info["train_loss"], "diagonal_ratio": {}, "class_agreement": {},
+               "layer_width": {}, "dead_neurons": {}, "diagonal_ratio_live": {},
+               "class_agreement_live": {}}
+        for layer in s.assignment_layers:
+            reps_g = neuron_representations(exp.model, glob, x, layer)
+            reps_l = neuron_representations(exp.model, local, x, layer)
+            perm = optimal_assignment(reps_g, reps_l)
+            ratio = diagonal_ratio(perm)
+            # Neurons silent on every sample in both models are interchangeable for the
+            # matching (zero distance among them): also report the live neurons alone.
+            live = (np.abs(reps_g).max(axis=1) > 0) | (np.abs(reps_l).max(axis=1) > 0)
+            res["diagonal_ratio"][layer] = ratio
+            res["diagonal_ratio_live"][layer] = float(np.mean(
+                perm[live] == np.arange(len(perm))[live])) if live.any() else float("nan")
+            res["dead_neurons"][layer] = int(np.sum(~live))
+            res["layer_width"][layer] = len(perm)
+            plot_assignment(perm, title=f"{layer}, PANs {name}",
+                            path=ctx.path(f"fig7_assignment_{layer}_{name}.png"))
+            rows.append({"pans": name, "analysis": "diagonal_ratio", "layer": layer,
+                         "value": ratio, "neurons": len(perm)})
+        num_classes = exp.dataset.num_classes
+        for layer in s.preference_layers:
+            pg = preference_vectors(exp.model, glob, px, py, layer, num_classes)
+            pl = preference_vectors(exp.model, local, px, py, layer, num_classes)
+            agree = class_agreement(pg, pl)
+            res["class_agreement"][layer] = agree
+            # An all-zero preference row (a dead neuron) has argmax 0 in both models and
+            # would count as agreement: also report the neurons alive in either model.
+            live = (np.abs(pg).max(axis=1) > 0) | (np.abs(pl).max(axis=1) > 0)
+            res["class_agreement_live"][layer] = float(np.mean(
+                neuron_classes(pg)[live] == neuron_classes(pl)[live])) \
+                if live.any() else float("nan")
+            n = min(s.show_neurons, len(pg))
+            plot_preferences(pg[:n], pl[:n], title=f"{layer}, PANs {name} (first {n} neurons)",
+                             path=ctx.path(f"fig8_preferences_{layer}_{name}.png"))
+            rows.append({"pans": name, "analysis": "class_agreement", "layer": layer,
+                         "value": agree, "neurons": len(pg)})
+        results[name] = res
+    common.write_csv(ctx.path("alignment.csv"), rows)
+    common.write_json(ctx.path("alignment.json"), {
+        "setup": s.setup, "local_epochs": s.local_epochs if s.local_epochs is not None
+        else s.setup.epochs, "num_samples": s.num_samples,
+        "preference_samples": s.preference_samples, "results": results})
+    lines = [f"alignment of global vs local model (alpha={s.setup.alpha:g}, "
+             f"H={s.setup.rounds}, local E={s.local_epochs or s.setup.epochs:g}), off -> on:"]
+    for layer in s.assignment_layers:
+        off, on = (results[k]["diagonal_ratio"][layer] for k in ("off", "on"))
+        live_off, live_on = (results[k]["diagonal_ratio_live"][layer] for k in ("off", "on"))
+        dead_off, dead_on = (results[k]["dead_neurons"][layer] for k in ("off", "on"))
+        width = results["off"]["layer_width"][layer]
+        lines.append(f"  diagonal ratio {layer}: {off:.3f} -> {on:.3f} (live neurons only: "
+                     f"{live_off:.3f} -> {live_on:.3f}; dead {dead_off} -> {dead_on} of "
+                     f"{width}; random matching: {1 / width:.4f})")
+    for layer in s.preference_layers:
+        off, on = (results[k]["class_agreement"][layer] for k in ("off", "on"))
+        live_off, live_on = (results[k]["class_agreement_live"][layer] for k in ("off", "on"))
+        lines.append(f"  class agreement {layer}: {off:.3f} -> {on:.3f} (live neurons only: "
+                     f"{live_off:.3f} -> {live_on:.3f})")
+    lines.append(f"  global test accuracy: {100 * results['off']['test_accuracy']:.2f}% -> "
+                 f"{100 * results['on']['test_accuracy']:.2f}%")
+    return lines
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return common.run_script("alignment", __doc__, PRESETS, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,425 @@
+"""Shared plumbing of the paper-figure scripts: command line, output folder, data, training.
+
+Every script runs as
+
+    python -m experiments.<name> --out DIR [--preset default|paper|smoke] [--seed N]
+                                 [--overwrite] [--no-progress]
+
+and writes CSV/JSON/PNG files into DIR plus `run_info.json` (script, preset, seed, settings,
+wall time). A non-empty DIR is refused unless --overwrite; any bad argument prints one
+`error:` line and exits with status 2.
+
+Training helpers: `train_centralised` (plain SGD with optax, one jitted step, numpy batches)
+and `train_fl` / `global_variables` / `local_variables` (FedAvg through
+`fedjax_pan.experiment.build`, and each sampled client's local model of the next round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from typing import (Any, Callable, Dict, Iterable, List, Mapping, NoReturn, Optional, Sequence,
+                    Tuple)
+
+import numpy as np
+
+PRESETS = ("default", "paper", "smoke")
+PyTree = Any
+
+
+# ----------------------------------------------------------------------------------------
+# Command line and output folder.
+# ----------------------------------------------------------------------------------------
+
+class UsageError(Exception):
+    """A bad command line, preset or output folder; reported as one `error:` line, status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse would print the usage block too; the scripts promise one line.
+        raise UsageError(message)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a script's `run` gets besides its settings."""
+
+    out: str
+    seed: int
+    preset: str
+    progress: bool
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.out, name)
+
+
+def parse_args(argv: Optional[Sequence[str]], prog: str, description: str,
+               presets: Iterable[str]) -> argparse.Namespace:
+    """--out DIR (required), --preset, --seed, --overwrite, --no-progress."""
+    names = list(presets)
+    p = _Parser(prog=prog, description=description,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
+    p.add_argument("--preset", default="default", help=f"one of {', '.join(names)}")
+    p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="hide progress bars")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    if args.preset not in names:
+        raise UsageError(f"unknown preset {args.preset!r}; expected one of {', '.join(names)}")
+    return args
+
+
+def prepare_out(path: str, overwrite: bool) -> str:
+    """Creates `path`; a non-empty one is refused unless `overwrite` (then emptied)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out {path!r} exists and is not a folder")
+    if os.path.isdir(path) and os.listdir(path):
+        if not overwrite:
+            raise UsageError(f"output folder {path!r} is not empty; pass --overwrite to "
+                             "replace its contents")
+        shutil.rmtree(path)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
+               run: Callable[[Any, Context], List[str]],
+               argv: Optional[Sequence[str]] = None) -> int:
+    """Parses arguments, prepares --out, calls run(settings, ctx), prints its summary lines.
+
+    Returns the exit status (0, or 2 after one `error:` line for bad input).
+    """
+    from fedjax_pan import data as data_lib
+    from fedjax_pan.experiment import ConfigError
+
+    description = (doc or "").strip()
+    try:
+        args = parse_args(argv, f"python -m experiments.{module}", description, presets)
+        prepare_out(args.out, args.overwrite)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ctx = Context(args.out, args.seed, args.preset, args.progress)
+    settings = presets[args.preset]
+    start = time.time()
+    try:
+        lines = run(settings, ctx)
+    except (data_lib.DataError, ConfigError) as e:  # e.g. Fashion-MNIST not installed
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    seconds = time.time() - start
+    write_json(ctx.path("run_info.json"), {
+        "script": module, "preset": args.preset, "seed": args.seed, "seconds": seconds,
+        "settings": dataclasses.asdict(settings) if dataclasses.is_dataclass(settings)
+        else settings})
+    for line in lines:
+        print(line)
+    print(f"{module} ({args.preset}): {seconds:.1f} s, results in {args.out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# Files.
+# ----------------------------------------------------------------------------------------
+
+def jsonable(obj: Any) -> Any:
+    """numpy scalars/arrays, tuples and dataclasses as plain JSON values (NaN kept as null)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, Mapping):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, np.ndarray):
+        return jsonable(obj.tolist())
+    if isinstance(obj, (np.integer,)):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        value = float(obj)
+        return value if math.isfinite(value) else None
+    return obj
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(jsonable(obj), f, indent=2)
+        f.write("\n")
+
+
+def write_csv(path: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Rows of equal keys; floats written with full precision."""
+    if not rows:
+        raise ValueError(f"no rows to write to {path}")
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: repr(float(v)) if isinstance(v, (float, np.floating)) else v
+                             for k, v in row.items()})
+
+
+def read_csv(path: str) -> List[Dict[str, str]]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def save_figure(fig: Any, path: str, dpi: int = 100) -> str:
+    fig.savefig(path, format="png", dpi=dpi, bbox_inches="tight")
+    return path
+
+
+def progress(iterable: Iterable, enabled: bool, desc: str = "", total: Optional[int] = None):
+    """tqdm over `iterable` (silent when disabled)."""
+    from tqdm.auto import tqdm
+    return tqdm(iterable, desc=desc, total=total, disable=not enabled, dynamic_ncols=True,
+                leave=False)
+
+
+# ----------------------------------------------------------------------------------------
+# PAN settings and data.
+# ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Pan:
+    """One PAN setting; amplitude 0 means PANs off (the plain network)."""
+
+    kind: str = "mul"
+    period: float = 1.0
+    amplitude: float = 0.0
+
+    @property
+    def on(self) -> bool:
+        return self.amplitude != 0.0 and self.period != 0.0
+
+    @property
+    def label(self) -> str:
+        if not self.on:
+            return "PANs off"
+        sign = "+" if self.kind == "add" else "x"
+        return f"PAN{sign} T={self.period:g} A={self.amplitude:g}"
+
+    def as_dict(self) -> Optional[Dict[str, Any]]:
+        """The `pan=` argument of `fedjax_pan.models.build` (None when off)."""
+        if not self.on:
+            return None
+        return {"kind": self.kind, "period": float(self.period),
+                "amplitude": float(self.amplitude)}
+
+
+PANS_OFF = Pan()
+PANS_ON = Pan("mul", 1.0, 0.1)  # the paper's default "on" setting
+
+
+@dataclasses.dataclass(frozen=True)
+class ArrayData:
+    """Normalised float32 NHWC images and int32 labels."""
+
+    name: str
+    train_x: np.ndarray
+    train_y: np.ndarray
+    test_x: np.ndarray
+    test_y: np.ndarray
+    num_classes: int
+
+    @property
+    def input_shape(self) -> Tuple[int, int, int]:
+        return tuple(int(d) for d in self.train_x.shape[1:])  # type: ignore[return-value]
+
+
+def load_data(name: str, seed: int = 0, train_limit: Optional[int] = None,
+              test_limit: Optional[int] = None) -> ArrayData:
+    """Dataset `name` ('synthetic' = fedjax_pan.data.synthetic) normalised, optionally
+    subsampled (a seeded random subset, kept in original order)."""
+    from fedjax_pan import data as data_lib
+
+    if name == "synthetic":
+        ds = data_lib.synthetic(train_limit or 1000, test_limit or 200, seed=seed)
+    else:
+        ds = data_lib.load(name)
+    rng = np.random.default_rng(seed)
+
+    def subset(x: np.ndarray, y: np.ndarray, limit: Optional[int]):
+        if limit and limit < len(y):
+            keep = np.sort(rng.permutation(len(y))[:limit])
+            x, y = x[keep], y[keep]
+        return data_lib.normalize(x, name) if name in data_lib.NORMALIZATION else x, y
+
+    train_x, train_y = subset(ds.train_images, ds.train_labels, train_limit)
+    test_x, test_y = subset(ds.test_images, ds.test_labels, test_limit)
+    return ArrayData(name, np.asarray(train_x, np.float32), train_y,
+                     np.asarray(test_x, np.float32), test_y, ds.num_classes)
+
+
+# ----------------------------------------------------------------------------------------
+# Centralised training.
+# ----------------------------------------------------------------------------------------
+
+def train_centralised(model: Any, variables: PyTree, x: np.ndarray, y: np.ndarray, *,
+                      epochs: int, batch_size: int = 64, lr: float = 0.05,
+                      momentum: float = 0.9, weight_decay: float = 0.0, seed: int = 0,
+                      show_progress: bool = True, desc: str = "train"
+                      ) -> Tuple[PyTree, List[float]]:
+    """Mini-batch SGD (optax, momentum) on (x, y); returns (variables, mean loss per epoch).
+
+    Each epoch visits a seeded permutation of the data in full batches only, so the jitted
+    step compiles once; BatchNorm statistics (if any) are updated in train mode.
+    """
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from fedjax_pan.algorithms import client_optimizer
+
+    tx = client_optimizer(lr, momentum, weight_decay)
+    params = variables["params"]
+    state = {k: v for k, v in variables.items() if k != "params"}
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def step(params, state, opt_state, xb, yb):
+        def loss_fn(p):
+            if state:
+                logits, new_state = model.apply({"params": p, **state}, xb, train=True,
+                                                mutable=list(state))
+            else:
+                logits, new_state = model.apply({"params": p}, xb, train=True), state
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
+            return loss, dict(new_state)
+        (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state, opt_state, loss
+
+    rng = np.random.default_rng(seed)
+    n = len(y)
+    batch_size = min(batch_size, n)
+    steps = n // batch_size
+    history = []
+    bar = progress(range(epochs * steps), show_progress, desc)
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        total = jnp.zeros((), jnp.float32)  # summed on the device: no sync per step
+        for i in range(steps):
+            idx = order[i * batch_size:(i + 1) * batch_size]
+            params, state, opt_state, loss = step(params, state, opt_state, x[idx], y[idx])
+            total = total + loss
+            bar.update(1)
+        history.append(float(total) / steps)
+        if not math.isfinite(history[-1]):
+            raise RuntimeError(f"{desc}: training loss became {history[-1]}")
+    bar.close()
+    return {"params": params, **state}, history
+
+
+def make_accuracy(model: Any, data: ArrayData, batch_size: int = 1000
+                  ) -> Callable[[PyTree], float]:
+    """variables -> test accuracy (one compiled evaluator, reused for shuffled copies)."""
+    from fedjax_pan.engine import make_evaluator
+
+    evaluate = make_evaluator(model, data.test_x, data.test_y, batch_size, data.num_classes)
+    return lambda variables: float(evaluate(variables)["accuracy"])
+
+
+# ----------------------------------------------------------------------------------------
+# Federated training.
+# ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FLSetup:
+    """A FedAvg run of the MLP (paper App. E: K=10, R=1.0, E=5/20, H=20, B=64, SGD 0.05)."""
+
+    dataset: str = "fashion_mnist"
+    train_limit: Optional[int] = None  # a seeded subset of the training set (None: all)
+    hidden: Optional[Tuple[int, ...]] = None  # MLP widths (None: the paper's 1024 x 3)
+    num_clients: int = 10
+    participation: float = 1.0
+    alpha: float = 1.0
+    epochs: float = 5.0
+    batch_size: int = 64
+    rounds: int = 20
+    lr: float = 0.05
+    warmup: str = "rounds"  # the released code's lr x min((r+1)/10, 1)
+    strategy: str = "auto"  # execution strategy ('loop' compiles least: smoke runs)
+
+
+def fl_config(setup: FLSetup, pan: Pan, seed: int):
+    """The `fedjax_pan` ConfigDict of `setup` with PAN setting `pan`."""
+    from fedjax_pan.defaults import default_config
+
+    cfg = default_config()
+    cfg.seed = seed
+    cfg.dataset.name = setup.dataset
+    cfg.dataset.train_limit = setup.train_limit
+    cfg.model.name = "mlp"
+    if setup.hidden:
+        cfg.model.options.hidden = list(setup.hidden)
+    cfg.pan.kind = pan.kind
+    cfg.pan.period = float(pan.period)
+    cfg.pan.amplitude = float(pan.amplitude) if pan.on else 0.0
+    cfg.partition.num_clients = setup.num_clients
+    cfg.partition.alpha = float(setup.alpha)
+    cfg.participation = float(setup.participation)
+    cfg.local.epochs = float(setup.epochs)
+    cfg.local.batch_size = setup.batch_size
+    cfg.optimizer.lr = float(setup.lr)
+    cfg.optimizer.warmup = setup.warmup
+    cfg.rounds = setup.rounds
+    cfg.execution.strategy = setup.strategy
+    return cfg
+
+
+def train_fl(cfg: Any, show_progress: bool = True, desc: str = "FL"
+             ) -> Tuple[Any, Any, Dict[str, Any]]:
+    """Runs cfg.rounds FedAvg rounds; returns (experiment, state, info) with info
+    {"train_loss": per round, "test_accuracy": of the final global model}."""
+    from fedjax_pan import experiment
+
+    exp = experiment.build(cfg)
+    state = exp.simulation.init(exp.variables)
+    losses = []
+    for _ in progress(range(cfg.rounds), show_progress, desc):
+        state, stats = exp.simulation.round(state)
+        losses.append(float(stats["train_loss"]))
+        if not math.isfinite(losses[-1]):
+            raise RuntimeError(f"{desc}: training loss became {losses[-1]} in round {state.round}")
+    accuracy = float(exp.evaluate(global_variables(exp, state))["accuracy"])
+    return exp, state, {"train_loss": losses, "test_accuracy": accuracy}
+
+
+def global_variables(exp: Any, state: Any) -> PyTree:
+    return exp.simulation.algorithm.eval_variables(state.server)
+
+
+def local_variables(exp: Any, state: Any) -> List[PyTree]:
+    """Each client sampled in round `state.round`, trained alone from the global model:
+    its local variables (global params + delta, its own model state), in cohort order."""
+    import jax
+
+    g = global_variables(exp, state)
+    out = []
+    for o in exp.simulation.client_updates(state):
+        params = jax.tree_util.tree_map(lambda a, d: a + d, g["params"], o["delta"])
+        out.append({"params": params, **o["model_state"]})
+    return out
+
+
+def sample_test_inputs(exp: Any, n: int, seed: int) -> Tuple[np.ndarray, np.ndarray]:
+    """A seeded random subset of n normalised test images (sorted indices) and labels."""
+    from fedjax_pan import data as data_lib
+
+    ds = exp.dataset
+    rng = np.random.default_rng(seed)
+    keep = np.sort(rng.permutation(ds.num_test)[:min(n, ds.num_test)])
+    x = ds.test_images[keep]
+    if ds.name in data_lib.NORMALIZATION:
+        x = data_lib.normalize(x, ds.name)
+    return np.asarray(x, np.float32), ds.test_labels[keep]

@@ -1,0 +1,195 @@
+"""The benchmark suite: a --quick run's structure, and the naive baseline's correctness.
+
+Speed is never asserted here (performance claims live in benchmarks/RESULTS.md): these
+tests check that every section is measured with sane numbers and that the naive loop
+computes the same FedAvg round as the engine, so the suite's ratios compare like with like.
+"""
+
+import json
+import math
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import ROOT
+from fedjax_pan import models
+from fedjax_pan.algorithms import client_optimizer, fedavg
+from fedjax_pan.engine import ClientData, LocalWork, Simulation, make_executor
+
+if ROOT not in sys.path:  # benchmarks/ is a top-level folder, not an installed package
+    sys.path.insert(0, ROOT)
+
+from benchmarks import naive as naive_lib  # noqa: E402
+from benchmarks import run as run_lib  # noqa: E402
+from benchmarks import suites  # noqa: E402
+
+# Figures that must be strictly positive wherever they appear.
+POSITIVE = {"seconds_per_round", "end_to_end_seconds", "eval_seconds", "examples_per_second",
+            "gflops", "fraction_of_ceiling", "best_gflops", "seconds", "peak_rss_mib",
+            "seconds_per_client", "padding_efficiency", "expected_padding_efficiency",
+            "speedup_vs_naive", "training_speedup_vs_naive", "ratio_to_best",
+            "flops_per_example", "warmup_seconds", "total_seconds"}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """(output dir, results.json, stdout) of one quick suite run (designed for < 90 s)."""
+    out = tmp_path_factory.mktemp("bench")
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--suite", "cpu",
+                           "--quick", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    with open(out / "results.json") as f:
+        return out, json.load(f), proc.stdout
+
+
+def _walk(tree, path=""):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _walk(v, f"{path}.{k}" if path else k)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _walk(v, f"{path}[{i}]")
+    else:
+        yield path, tree
+
+
+def _engine_configs(results):
+    """(name, record) of every engine configuration (not the naive loop)."""
+    yield from (("mlp." + k, v) for k, v in results["mlp"]["strategies"].items())
+    yield from (("padding." + k, v) for k, v in results["padding"]["configs"].items())
+    for key, bench in results["vgg"].items():
+        yield from ((f"vgg.{key}.{k}", v) for k, v in bench["strategies"].items())
+
+
+def test_every_section_is_present(quick):
+    _, results, _ = quick
+    for section in ("meta", "settings", "matmul", "mlp", "padding", "vgg", "scaling",
+                    "compiles", "memory", "targets", "total_seconds"):
+        assert section in results, section
+    assert set(results["mlp"]["strategies"]) >= {"loop", "vmap"}
+    assert "naive" in results["mlp"] and "naive" in results["padding"]
+    assert any("unbucketed" in k for k in results["padding"]["configs"])
+    assert any(k.endswith(" bucketed") for k in results["padding"]["configs"])
+    assert results["vgg"] and all("auto" in b and "naive" in b for b in results["vgg"].values())
+    assert [p["clients_per_round"] for p in results["scaling"]["points"]] == [2, 5, 10]
+
+
+def test_numbers_are_finite_and_key_figures_positive(quick):
+    _, results, _ = quick
+    checked = 0
+    for path, value in _walk(results):
+        if isinstance(value, float):
+            assert math.isfinite(value), path
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in POSITIVE:
+            assert isinstance(value, (int, float)) and value > 0, (path, value)
+            checked += 1
+    assert checked > 50
+    assert results["memory"]["peak_rss_mib"] > 0 and results["compiles"]["count"] > 0
+
+
+def test_padding_efficiency_is_a_fraction(quick):
+    _, results, _ = quick
+    records = [rec for _, rec in _engine_configs(results)] + [results["padding"]["naive"]]
+    for rec in records:
+        assert 0 < rec["padding_efficiency"] <= 1
+    for rec in results["padding"]["configs"].values():
+        assert 0 < rec["expected_padding_efficiency"] <= 1
+
+
+def test_nothing_compiles_after_warm_up(quick):
+    _, results, _ = quick
+    for name, rec in _engine_configs(results):
+        assert rec["compiles_timed"] == 0, name
+    assert results["scaling"]["compiles_after_warmup"] == 0
+
+
+def test_suite_records_engine_naive_agreement(quick):
+    _, results, _ = quick
+    agreements = [results["mlp"]["agreement_max_rel_diff"]] + [
+        b["agreement_max_rel_diff"] for b in results["vgg"].values()]
+    for agreement in agreements:
+        assert set(agreement) >= {"loop", "vmap"}
+        assert all(0 <= d <= 1e-4 for d in agreement.values()), agreement
+
+
+def test_targets_and_reports_are_written(quick):
+    out, results, stdout = quick
+    names = [t["name"] for t in results["targets"]]
+    assert len(names) == 5 and all(t["status"] in ("PASS", "MISS") for t in results["targets"])
+    markdown = (out / "RESULTS.md").read_text()
+    for needle in ["# Benchmark results", "## Targets", "## MLP bench", "## Scaling",
+                   "- commit:", "- machine:", "jax " + results["meta"]["jax"]]:
+        assert needle in markdown, needle
+    assert all(name in markdown and name in stdout for name in names)
+    assert "== Targets" in stdout
+
+
+def test_cli_rejects_unknown_sections_and_bad_reps():
+    with pytest.raises(SystemExit):
+        run_lib.parse_args(["--out", "x", "--only", "mlp,nosuch"])
+    with pytest.raises(SystemExit):
+        run_lib.parse_args(["--out", "x", "--reps", "0"])
+    assert run_lib.parse_args(["--out", "x", "--only", "vgg,mlp"]).only == ["vgg", "mlp"]
+
+
+# ----------------------------------------------------------------------------------------
+# Correctness anchor, in process: one FedAvg round, naive loop vs engine, same batches.
+# ----------------------------------------------------------------------------------------
+
+SIZES = [21, 30, 8, 17, 26, 12]  # unequal, with partial last batches
+BATCH, EPOCHS = 8, 2
+
+
+def _setup():
+    rng = np.random.default_rng(0)
+    images = rng.standard_normal((sum(SIZES), 6, 6, 1)).astype(np.float32)
+    labels = rng.integers(0, 10, sum(SIZES)).astype(np.int32)
+    parts = np.split(rng.permutation(sum(SIZES)), np.cumsum(SIZES)[:-1])
+    parts = [np.sort(p) for p in parts]
+    model = models.build("mlp", 10, hidden=[32, 16])
+    variables = models.init(model, jax.random.PRNGKey(1), (6, 6, 1))
+    algorithm = fedavg(model, client_optimizer(0.05, 0.9, 0.0, None))
+    return images, labels, parts, model, variables, algorithm
+
+
+@pytest.mark.parametrize("strategy,group_size", [("loop", None), ("vmap", None),
+                                                 ("vmap", 2)])
+def test_naive_round_matches_engine_round(strategy, group_size):
+    images, labels, parts, model, variables, algorithm = _setup()
+    data = ClientData.create(images, labels, parts)
+    work = LocalWork(BATCH, EPOCHS)
+    executor = make_executor(strategy, algorithm, work, data, variables, 4,
+                             group_size=group_size)
+    sim = Simulation(algorithm, data, work, executor, 4 / len(SIZES), seed=3)
+    state = sim.init(variables)
+    cohort = sim.cohort(state, 0)
+    engine = algorithm.eval_variables(sim.round(state)[0].server)["params"]
+
+    naive = naive_lib.NaiveFedAvg(model, 0.05, 0.9, BATCH, EPOCHS)
+    chosen = [parts[i] for i in cohort.ids]
+    same, _ = naive.round(variables["params"], images, labels, chosen,
+                          np.random.default_rng(0),
+                          naive_lib.engine_orders(cohort.data_keys, data.max_size))
+    assert naive_lib.max_rel_diff(engine, same) <= 1e-4
+    # Not vacuous: other batches (the naive numpy shuffle) give a visibly different model.
+    other, _ = naive.round(variables["params"], images, labels, chosen,
+                           np.random.default_rng(0))
+    assert naive_lib.max_rel_diff(engine, other) > 1e-3
+
+
+def test_unbucketed_executor_keeps_cohort_order():
+    images, labels, parts, _, variables, algorithm = _setup()
+    data = ClientData.create(images, labels, parts)
+    bucketed = make_executor("vmap", algorithm, LocalWork(BATCH, EPOCHS), data, variables, 5,
+                             group_size=2)
+    unbucketed = suites._unbucketed(bucketed)
+    steps = np.array([2, 9, 4, 9, 3])
+    assert [g.tolist() for g in unbucketed.groups(steps)] == [[0, 1], [2, 3], [4, -1]]
+    assert [g.tolist() for g in bucketed.groups(steps)] == [[1, 3], [2, 4], [0, -1]]
+    # Sorting pairs the long clients: fewer computed steps than the cohort order.
+    assert bucketed.computed_steps(steps) < unbucketed.computed_steps(steps)

@@ -1,0 +1,168 @@
+"""The paper-figure scripts in experiments/: each `smoke` preset runs and its outputs are
+consistent (the library functions they use are tested in their own modules)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+if ROOT not in sys.path:  # `experiments` is a folder of the checkout, not an installed package
+    sys.path.insert(0, ROOT)
+
+from experiments import (alignment, common, r_kept, shuffle_accuracy,  # noqa: E402
+                         shuffle_error, weight_divergence)
+
+SCRIPTS = {"r_kept": r_kept, "shuffle_error": shuffle_error,
+           "shuffle_accuracy": shuffle_accuracy, "weight_divergence": weight_divergence,
+           "alignment": alignment}
+
+
+def _finite(values):
+    values = np.asarray(list(values), np.float64)
+    return values.size > 0 and bool(np.all(np.isfinite(values)))
+
+
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each script's smoke preset, run once in-process: {name: output folder}."""
+    out = {}
+    for name, module in SCRIPTS.items():
+        folder = str(tmp_path_factory.mktemp(name))
+        assert module.main(["--out", folder, "--preset", "smoke", "--no-progress"]) == 0
+        info = _json(os.path.join(folder, "run_info.json"))
+        assert info["script"] == name and info["preset"] == "smoke" and info["seconds"] > 0
+        out[name] = folder
+    return out
+
+
+def test_every_script_has_the_three_presets():
+    for module in SCRIPTS.values():
+        assert set(module.PRESETS) == set(common.PRESETS)
+        assert "Fig." in module.__doc__
+
+
+def test_fl_presets_are_valid_configs():
+    from fedjax_pan import experiment
+    for module in (weight_divergence, alignment):
+        for name, settings in module.PRESETS.items():
+            for pan in (common.PANS_OFF, settings.pan_on):
+                experiment.validate(common.fl_config(settings.setup, pan, seed=0))
+
+
+def test_r_kept(runs):
+    d = runs["r_kept"]
+    rows = common.read_csv(os.path.join(d, "r_kept_vs_psf.csv"))
+    assert _finite(float(r["r_kept_mean"]) for r in rows)
+    for r in rows:
+        if float(r["p_sf"]) == 0.0:
+            assert float(r["r_kept_mean"]) == 1.0
+        if float(r["p_sf"]) == 1.0 and r["variant"] == "Alg. 1":
+            assert float(r["r_kept_mean"]) == 0.0  # every neuron swapped away
+    fl = common.read_csv(os.path.join(d, "r_kept_vs_nsf.csv"))
+    assert _finite(float(r["r_kept_mean"]) for r in fl)
+    assert all(float(r["r_kept_mean"]) == 1.0 for r in fl if float(r["n_sf"]) == 0.0)
+    for name in ("fig2_r_kept.png", "fig5_r_kept_nsf.png", "r_kept.json"):
+        assert os.path.getsize(os.path.join(d, name)) > 0
+
+
+def test_shuffle_error_vanishes_without_pans(runs):
+    d = runs["shuffle_error"]
+    summary = _json(os.path.join(d, "shuffle_error.json"))["models"]
+    assert set(summary) == {"mlp", "vgg13", "resnet20"}
+    rows = common.read_csv(os.path.join(d, "shuffle_error.csv"))
+    assert _finite(float(r["shuffle_error"]) for r in rows)
+    for name, s in summary.items():
+        assert s["relative_error_at_A0"] < 1e-5, name
+        assert os.path.getsize(os.path.join(d, f"shuffle_error_{name}.png")) > 0
+    for r in rows:
+        rel = float(r["relative_error"])
+        if float(r["amplitude"]) == 0.0 or float(r["period"]) == 0.0:
+            assert rel < 1e-5, r
+        else:  # PANs on: shuffling changes the output
+            assert rel > 1e-3, r
+
+
+def test_shuffle_accuracy(runs):
+    d = runs["shuffle_accuracy"]
+    rows = common.read_csv(os.path.join(d, "shuffle_accuracy.csv"))
+    acc = [float(r["accuracy"]) for r in rows]
+    assert _finite(acc) and min(acc) >= 0.0 and max(acc) <= 1.0
+    assert {r["variant"] for r in rows} == {"PANs off", "PAN+ T=1 A=0.05", "PANx T=1 A=0.1"}
+    for r in rows:
+        if float(r["p_sf"]) == 0.0:  # the identity permutation
+            assert float(r["accuracy"]) == float(r["unshuffled_accuracy"])
+        if r["variant"] == "PANs off":  # permutation invariant (up to rounding)
+            assert abs(float(r["accuracy"]) - float(r["unshuffled_accuracy"])) <= 0.01
+    assert os.path.getsize(os.path.join(d, "fig4_shuffle_accuracy.png")) > 0
+
+
+def test_weight_divergence(runs):
+    d = runs["weight_divergence"]
+    results = _json(os.path.join(d, "weight_divergence.json"))["results"]
+    assert results
+    for res in results:
+        for side in ("off", "on"):
+            div = res["divergence"][side]
+            assert set(div) == {"fc1", "fc2", "fc3", "head"}
+            assert _finite(div.values()) and min(div.values()) > 0
+            assert math.isclose(res["total"][side], sum(div.values()), rel_tol=1e-9)
+        png = f"fig6_divergence_E{res['epochs']:g}_alpha{res['alpha']:g}.png"
+        assert os.path.getsize(os.path.join(d, png)) > 0
+    rows = common.read_csv(os.path.join(d, "weight_divergence.csv"))
+    assert len(rows) == 8 * len(results)
+
+
+def test_alignment(runs):
+    d = runs["alignment"]
+    results = _json(os.path.join(d, "alignment.json"))["results"]
+    for side in ("off", "on"):
+        res = results[side]
+        assert set(res["diagonal_ratio"]) == {"fc2", "fc3"}
+        values = [*res["diagonal_ratio"].values(), *res["class_agreement"].values()]
+        assert _finite(values) and all(0.0 <= v <= 1.0 for v in values)
+        for layer in ("fc2", "fc3"):
+            for fig in ("fig7_assignment", "fig8_preferences"):
+                assert os.path.getsize(os.path.join(d, f"{fig}_{layer}_{side}.png")) > 0
+
+
+def test_refuses_non_empty_out(tmp_path):
+    keep = tmp_path / "keep.txt"
+    keep.write_text("precious")
+    out = subprocess.run([sys.executable, "-m", "experiments.r_kept", "--out", str(tmp_path),
+                          "--preset", "smoke"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "--overwrite" in lines[0]
+    assert keep.read_text() == "precious" and sorted(os.listdir(tmp_path)) == ["keep.txt"]
+
+
+def test_overwrite_replaces_out(tmp_path, capsys):
+    (tmp_path / "old.txt").write_text("old")
+    assert r_kept.main(["--out", str(tmp_path), "--preset", "smoke", "--overwrite",
+                        "--no-progress"]) == 0
+    assert not (tmp_path / "old.txt").exists() and (tmp_path / "r_kept.json").exists()
+    assert "results in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,word", [(["--preset", "huge"], "preset"),
+                                       (["--seed", "x"], "seed"),
+                                       ([], "--out")])
+def test_bad_arguments_give_one_error_line(tmp_path, capsys, argv, word):
+    if word != "--out":
+        argv = ["--out", str(tmp_path / "o"), *argv]
+    assert r_kept.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and word in err[0]
+    assert not (tmp_path / "o").exists()
