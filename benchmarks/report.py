@@ -67,6 +67,17 @@ def _row(name: str, rec: Dict[str, Any]) -> List[str]:
             f"{rec['compiles_warmup']}/{rec['compiles_timed']}", str(rec["reps"])]
 
 
+def _strategy_block(title: str, r: Dict[str, Any]) -> tuple:
+    """A per-strategy table with what auto picks and the engine-vs-naive agreement."""
+    agree = ", ".join(f"{k} {v:.1e}" for k, v in r["agreement_max_rel_diff"].items())
+    notes = [_describe(r["workload"]),
+             f"auto picks {r['auto']['picks']}; best {r['auto']['best']}; auto/best = "
+             f"{r['auto']['ratio_to_best']:.3f}",
+             f"engine vs naive averaged model after round 0 (max rel diff): {agree}"]
+    return (title, notes, list(COLUMNS),
+            _strategy_rows(r["strategies"], r["naive"], r["auto"]["picks"]))
+
+
 def _strategy_rows(configs: Dict[str, Dict[str, Any]], naive: Dict[str, Any],
                    auto: str) -> List[List[str]]:
     rows = [_row(f"{k} (auto)" if k == auto else k, v) for k, v in configs.items()]
@@ -106,14 +117,7 @@ def _blocks(results: Results) -> List[tuple]:
         f"re-measured before each section, whose '% ceiling' uses its own: {again or '-'}"],
         None, None))
     if "mlp" in results:
-        r = results["mlp"]
-        agree = ", ".join(f"{k} {v:.1e}" for k, v in r["agreement_max_rel_diff"].items())
-        blocks.append(("MLP bench", [
-            _describe(r["workload"]),
-            f"auto picks {r['auto']['picks']}; best {r['auto']['best']}; auto/best = "
-            f"{r['auto']['ratio_to_best']:.3f}",
-            f"engine vs naive averaged model after round 0 (max rel diff): {agree}"],
-            list(COLUMNS), _strategy_rows(r["strategies"], r["naive"], r["auto"]["picks"])))
+        blocks.append(_strategy_block("MLP bench", results["mlp"]))
     if "padding" in results:
         r = results["padding"]
         rows = _strategy_rows(r["configs"], r["naive"], r["auto"]["picks"])
@@ -128,13 +132,7 @@ def _blocks(results: Results) -> List[tuple]:
             "the naive loop compiles its step anew for every new short-batch size; its timed "
             "rounds include those compilations (compiles column)"], header, rows))
     for key, r in results.get("vgg", {}).items():
-        agree = ", ".join(f"{k} {v:.1e}" for k, v in r["agreement_max_rel_diff"].items())
-        blocks.append((f"Convnet {key} ({r['model']}, width {r['width']:g})", [
-            _describe(r["workload"]),
-            f"auto picks {r['auto']['picks']}; best {r['auto']['best']}; auto/best = "
-            f"{r['auto']['ratio_to_best']:.3f}",
-            f"engine vs naive averaged model after round 0 (max rel diff): {agree}"],
-            list(COLUMNS), _strategy_rows(r["strategies"], r["naive"], r["auto"]["picks"])))
+        blocks.append(_strategy_block(f"Convnet {key} ({r['model']}, width {r['width']:g})", r))
     if "scaling" in results:
         r = results["scaling"]
         header = ["clients/round", "s/round", "s/client", "per-client vs first", "examples/s",

@@ -501,6 +501,17 @@ def measure_matmul(size: int, reps: int) -> Dict[str, Any]:
             "best_gflops": flops / min(times) / 1e9}
 
 
+def _naive_baseline(w: Workload, sim: Simulation, settings: Settings, reps: int,
+                    configs: Dict[str, Dict[str, Any]], ceiling: float, label: str,
+                    log: Log) -> Tuple[Measured, Dict[str, Any]]:
+    """Times the naive loop on the same cohorts and adds 'vs naive' ratios to `configs`."""
+    nm = time_naive(w.naive(settings), w, sim, settings.warmup, reps, settings.seed)
+    naive = summarize(nm, w.flops_per_example, ceiling)
+    log(f"[{label}] naive: {naive['seconds_per_round']:.3f} s/round")
+    add_naive_ratios(configs, naive)
+    return nm, naive
+
+
 def _time_strategies(w: Workload, per_round: int, settings: Settings, ceiling: float,
                      log: Log, label: str) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any],
                                                     Simulation]:
@@ -515,11 +526,8 @@ def _time_strategies(w: Workload, per_round: int, settings: Settings, ceiling: f
         firsts[strategy] = m.first_params
         log(f"[{label}] {strategy}: {configs[strategy]['seconds_per_round']:.3f} s/round, "
             f"{configs[strategy]['gflops']:.1f} GFLOP/s")
-    nm = time_naive(w.naive(settings), w, sim, settings.warmup, settings.naive_reps,
-                    settings.seed)
-    naive = summarize(nm, w.flops_per_example, ceiling)
-    log(f"[{label}] naive: {naive['seconds_per_round']:.3f} s/round")
-    add_naive_ratios(configs, naive)
+    nm, naive = _naive_baseline(w, sim, settings, settings.naive_reps, configs, ceiling,
+                                label, log)
     agreement = {k: max_rel_diff(p, nm.first_params) for k, p in firsts.items()}
     return configs, {"naive": naive, "agreement_max_rel_diff": agreement}, sim
 
@@ -599,11 +607,8 @@ def padding_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
         configs[label] = rec
         log(f"[padding] {label}: efficiency {rec['padding_efficiency']:.3f}, "
             f"{rec['seconds_per_round']:.3f} s/round")
-    nm = time_naive(w.naive(settings), w, sim, settings.warmup, settings.padding_reps,
-                    settings.seed)
-    naive = summarize(nm, w.flops_per_example, ceiling)
-    log(f"[padding] naive: {naive['seconds_per_round']:.3f} s/round")
-    add_naive_ratios(configs, naive)
+    _, naive = _naive_baseline(w, sim, settings, settings.padding_reps, configs, ceiling,
+                               "padding", log)
     return {"dataset": name, "alpha": settings.padding_alpha,
             "workload": w.describe(m_per), "configs": configs, "naive": naive,
             "auto": auto_summary(configs, w.variables)}
