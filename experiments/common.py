@@ -276,28 +276,13 @@ def train_centralised(model: Any, variables: PyTree, x: np.ndarray, y: np.ndarra
     """
     import jax
     import jax.numpy as jnp
-    import optax
 
-    from fedjax_pan.algorithms import client_optimizer
+    from fedjax_pan.algorithms import client_optimizer, local
 
+    # The library's local SGD step; full batches (mask all ones) make its loss the plain mean.
     tx = client_optimizer(lr, momentum, weight_decay)
-    params = variables["params"]
-    state = {k: v for k, v in variables.items() if k != "params"}
-    opt_state = tx.init(params)
-
-    @jax.jit
-    def step(params, state, opt_state, xb, yb):
-        def loss_fn(p):
-            if state:
-                logits, new_state = model.apply({"params": p, **state}, xb, train=True,
-                                                mutable=list(state))
-            else:
-                logits, new_state = model.apply({"params": p}, xb, train=True), state
-            loss = optax.softmax_cross_entropy_with_integer_labels(logits, yb).mean()
-            return loss, dict(new_state)
-        (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), new_state, opt_state, loss
+    state = local.init_local(tx, variables, 1.0)
+    step = jax.jit(lambda s, b: local.sgd_step(model, tx, s, b))
 
     rng = np.random.default_rng(seed)
     n = len(y)
@@ -310,14 +295,15 @@ def train_centralised(model: Any, variables: PyTree, x: np.ndarray, y: np.ndarra
         total = jnp.zeros((), jnp.float32)  # summed on the device: no sync per step
         for i in range(steps):
             idx = order[i * batch_size:(i + 1) * batch_size]
-            params, state, opt_state, loss = step(params, state, opt_state, x[idx], y[idx])
-            total = total + loss
+            batch = {"x": x[idx], "y": y[idx], "mask": np.ones(batch_size, np.float32)}
+            state, metrics = step(state, batch)
+            total = total + metrics["loss_sum"] / batch_size
             bar.update(1)
         history.append(float(total) / steps)
         if not math.isfinite(history[-1]):
             raise RuntimeError(f"{desc}: training loss became {history[-1]}")
     bar.close()
-    return {"params": params, **state}, history
+    return {"params": state.params, **state.model_state}, history
 
 
 def make_accuracy(model: Any, data: ArrayData, batch_size: int = 1000
