@@ -114,7 +114,6 @@ class LoopExecutor:
         self._step = jax.jit(functools.partial(p.step, masked=False), donate_argnums=(1,))
         self._finish = jax.jit(p.finish)
         self._add = jax.jit(_add, donate_argnums=(0,))
-        self._acc_metrics = jax.jit(_add, donate_argnums=(0,))
         self._arrays = (self.data.images, self.data.labels, self.data.index_table)
 
     def run(self, server: PyTree, cohort: Cohort) -> CohortResult:
@@ -129,7 +128,7 @@ class LoopExecutor:
             local, acc = carry
             out, state = self._finish(server, local, jnp.float32(cohort.weights[m]))
             out_sum = out if out_sum is None else self._add(out_sum, out)
-            metrics = self._acc_metrics(metrics, acc)
+            metrics = self._add(metrics, acc)
             states.append(state)
         stacked = None if states[0] is None else tree_map(lambda *s: jnp.stack(s), *states)
         return CohortResult(out_sum, stacked, metrics, int(np.sum(cohort.steps)))
