@@ -104,7 +104,6 @@ class Settings:
     # Scaling: MLP bench at several clients per round.
     scaling_per_round: Tuple[int, ...] = (10, 20, 50, 100)
     scaling_reps: int = 2
-    chunk: Optional[int] = None  # VmapExecutor chunk; None = the library's default
 
 
 def make_settings(suite: str = "cpu", quick: bool = False,
@@ -125,8 +124,7 @@ def make_settings(suite: str = "cpu", quick: bool = False,
             test_examples=500, eval_batch_size=250, naive_reps=r,
             padding_dataset="synthetic", padding_clients=10, padding_per_round=5,
             padding_epochs=1, padding_group_sizes=(2,), padding_reps=1, padding_cohorts=20,
-            conv=conv, slow_round_s=5.0, scaling_per_round=(2, 5, 10), scaling_reps=1,
-            chunk=1)  # one scan program per executor: compiling is most of a quick run
+            conv=conv, slow_round_s=5.0, scaling_per_round=(2, 5, 10), scaling_reps=1)
     r = reps or 3
     conv = (
         # Full-width VGG9 at a small workload: vmapped convs in lax.scan run ~20x slower
@@ -249,7 +247,7 @@ class Workload:
     def executor(self, strategy: str, per_round: int, settings: Settings,
                  group_size: Optional[int] = None) -> Any:
         return make_executor(strategy, self.algorithm, self.work, self.data, self.variables,
-                             per_round, group_size=group_size, chunk=settings.chunk)
+                             per_round, group_size=group_size)
 
     def evaluator(self, batch_size: int) -> Callable[[PyTree], Dict[str, Any]]:
         return make_evaluator(self.model, self.test_images, self.test_labels,
@@ -621,9 +619,7 @@ def _expected_efficiency(w: Workload, sim: Simulation, executor: Any, cohorts: i
         ids = sim.sample(r)
         steps = w.work.num_steps(w.data.sizes[ids])
         real += real_examples(w.work, w.data.sizes[ids])
-        # The loop computes exactly each client's steps; vmap groups run their longest.
-        computed += (executor.computed_steps(steps) if isinstance(executor, VmapExecutor)
-                     else int(np.sum(steps))) * w.work.batch_size
+        computed += executor.computed_examples(w.data.sizes[ids], steps)
     return real / computed
 
 

@@ -33,7 +33,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.server = ml_collections.ConfigDict({"optimizer": "sgd", "lr": 1.0, "momentum": 0.0})
     c.aggregation = ml_collections.ConfigDict({"weights": "uniform", "bn": "mean"})
     c.execution = ml_collections.ConfigDict({"strategy": "auto",
-                                             "group_size": placeholder(int), "chunk": 16})
+                                             "group_size": placeholder(int)})
     # local: also log each client's expected accuracy on a test set with its label mix.
     c.eval = ml_collections.ConfigDict({"every": 1, "batch_size": 1000, "local": False})
     # Alg. 2: shuffle hidden neurons during local training, N_sf times per round expected.

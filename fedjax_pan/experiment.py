@@ -165,7 +165,7 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
     sim_m = max(1, int(round(cfg.participation * len(parts))))
     strategy = resolve_strategy(cfg.execution.strategy, variables)
     executor = make_executor(strategy, algorithm, work, client_data, variables, sim_m,
-                             cfg.execution.group_size, cfg.execution.chunk)
+                             cfg.execution.group_size)
     simulation = Simulation(algorithm, client_data, work, executor, cfg.participation,
                             cfg.aggregation.weights, cfg.seed)
     evaluate = make_evaluator(model, test_x, ds.test_labels, cfg.eval.batch_size,

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_clients
 from fedjax_pan.engine.clients import (ClientData, LocalWork, epoch_order, make_batch,
-                                       real_examples)
+                                       real_examples, step_rows, tail_rows)
 
 
 @pytest.mark.parametrize("mode,epochs,steps,sizes,want", [
@@ -54,6 +54,30 @@ def test_every_epoch_visits_each_client_example_exactly_once():
         assert sorted(seen) == list(own)
         orders.append(seen)
     assert orders[0] != orders[1]  # reshuffled each epoch
+
+
+def test_a_short_batch_on_fewer_rows_holds_the_same_examples():
+    _, cd = tiny_clients([37, 50])
+    key, size, t = jax.random.PRNGKey(5), jnp.int32(37), jnp.int32(9)  # epoch 1, batch 4
+    full = make_batch(cd.images, cd.labels, cd.index_table[0], size, key, t, 8)
+    short = make_batch(cd.images, cd.labels, cd.index_table[0], size, key, t, 8, rows=6)
+    np.testing.assert_array_equal(np.asarray(full["mask"]), [1] * 5 + [0] * 3)
+    np.testing.assert_array_equal(np.asarray(short["mask"]), [1] * 5 + [0])
+    for k in ("x", "y"):
+        np.testing.assert_array_equal(np.asarray(short[k])[:5], np.asarray(full[k])[:5])
+
+
+def test_tail_rows_round_remainders_up_to_a_quarter_of_the_batch():
+    # B=64: granule 16. 600 = 9*64 + 24 -> 32; 605 -> 29 -> 32; 616 -> 40 -> 48; 640 and
+    # 63, 49 (-> 64) have no separate tail; 1 -> 16.
+    np.testing.assert_array_equal(
+        tail_rows(np.asarray([600, 605, 616, 640, 63, 49, 1]), 64), [32, 32, 48, 0, 0, 0, 16])
+    np.testing.assert_array_equal(tail_rows(np.asarray([27, 12, 16, 7]), 8), [4, 4, 0, 0])
+    # 600 examples, 5 epochs: 10 steps each, the 10th on 32 rows (24 real).
+    rows = step_rows(600, 50, 64)
+    assert rows == ([64] * 9 + [32]) * 5 and sum(rows) == 5 * 600 + 5 * 8
+    assert step_rows(27, 6, 8) == [8, 8, 8, 4, 8, 8]  # a partial epoch has no tail
+    assert step_rows(63, 3, 64) == [64, 64, 64]
 
 
 def test_epoch_order_puts_padding_last_and_is_deterministic():

@@ -11,18 +11,19 @@ import pytest
 
 from conftest import ROOT, max_rel_err, tiny_clients, tiny_fedavg
 from fedjax_pan.engine import LocalWork, Simulation, count_compiles, make_executor
-from fedjax_pan.engine.execution import (LoopExecutor, VmapExecutor, has_convolutions,
-                                         resolve_strategy)
+from fedjax_pan.engine.execution import (ClientProgram, LoopExecutor, VmapExecutor,
+                                         has_convolutions, resolve_strategy)
 from fedjax_pan.engine.reference import reference_round
 from fedjax_pan.pan import PANConfig
 
-# Client sizes whose last batches (B=8) hold >= 3 examples, so BatchNorm is well conditioned.
-SIZES = [27, 43, 19, 36, 60, 12]
+# Client sizes whose last batches (B=8) hold >= 3 examples, so BatchNorm is well conditioned;
+# run alone, their tails take 4, 6 or (39: 7 real, rounded up to B) 8 rows.
+SIZES = [27, 39, 19, 36, 62, 13]
 WORK = LocalWork(batch_size=8, epochs=1.5)
 
 
-def _run(strategy, algo, cd, variables, rounds=2, group_size=None, chunk=4, weights="num_examples"):
-    ex = make_executor(strategy, algo, WORK, cd, variables, 3, group_size=group_size, chunk=chunk)
+def _run(strategy, algo, cd, variables, rounds=2, group_size=None, weights="num_examples"):
+    ex = make_executor(strategy, algo, WORK, cd, variables, 3, group_size=group_size)
     sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation=weights, seed=7)
     state, losses = sim.init(variables), []
     for _ in range(rounds):
@@ -68,8 +69,8 @@ def test_uniform_and_weighted_aggregation_both_match_reference():
 def test_no_recompilation_after_the_first_round():
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg()
-    for strategy, g in [("loop", None), ("vmap", 2)]:
-        ex = make_executor(strategy, algo, WORK, cd, variables, 3, group_size=g, chunk=4)
+    for strategy, g in [("loop", None), ("vmap", 1), ("vmap", 2)]:
+        ex = make_executor(strategy, algo, WORK, cd, variables, 3, group_size=g)
         sim = Simulation(algo, cd, WORK, ex, participation=0.5, seed=1)
         state = sim.init(variables)
         with count_compiles() as first:
@@ -84,12 +85,47 @@ def test_no_recompilation_after_the_first_round():
 def test_vmap_bucketing_limits_padding():
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg()
-    ex = make_executor("vmap", algo, WORK, cd, variables, 6, group_size=2, chunk=16)
-    steps = WORK.num_steps(cd.sizes)  # [6, 9, 5, 8, 12, 3]
+    ex = make_executor("vmap", algo, WORK, cd, variables, 6, group_size=2)
+    steps = WORK.num_steps(cd.sizes)  # [6, 8, 5, 8, 12, 3]
     groups = [sorted(steps[g].tolist()) for g in ex.groups(steps)]
-    assert groups == [[9, 12], [6, 8], [3, 5]]  # sorted by step count
-    assert ex.computed_steps(steps) == 2 * (12 + 8 + 5)
-    assert [n for _, n in ex.chunks(23)] == [16, 4, 1, 1, 1]
+    assert groups == [[8, 12], [6, 8], [3, 5]]  # sorted by step count
+    assert ex.computed_examples(cd.sizes, steps) == 2 * (12 + 8 + 5) * 8
+
+
+def test_lone_clients_compute_short_last_batches_on_fewer_rows():
+    # B=8 (tail granule 2), 1.5 epochs. 27 = 3*8 + 3: 4 steps/epoch, 6 steps: 3 full,
+    # a tail of 3 real on 4 rows, 2 full -> 5*8 + 4 rows. A partial second epoch never
+    # reaches its tail. 39 = 4*8 + 7: no separate tail, 8 steps of 8 rows.
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg()
+    steps = WORK.num_steps(cd.sizes)
+    rows = {27: 5 * 8 + 4, 39: 8 * 8, 19: 4 * 8 + 4, 36: 7 * 8 + 4, 62: 11 * 8 + 6,
+            13: 2 * 8 + 6}
+    total = sum(rows[n] for n in cd.sizes)
+    for strategy, g in [("loop", None), ("vmap", 1)]:
+        ex = make_executor(strategy, algo, WORK, cd, variables, 6, group_size=g)
+        sim = Simulation(algo, cd, WORK, ex, participation=1.0)
+        _, stats = sim.round(sim.init(variables))
+        assert stats["computed_examples"] == total, strategy
+        # Padding rows: 27 and 19 one each (3 real on 4), 39 one (7 on 8), 13 one (5 on 6).
+        assert stats["real_examples"] == total - 4, strategy
+    vmap2 = make_executor("vmap", algo, WORK, cd, variables, 6, group_size=2)
+    assert vmap2.computed_examples(cd.sizes, steps) > total  # lockstep groups pad
+
+
+def test_loop_without_donation_gives_the_same_numbers():
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg(norm="batch")
+    states = []
+    for donate in (True, False):
+        ex = LoopExecutor(ClientProgram(algo, WORK), cd, donate=donate)
+        sim = Simulation(algo, cd, WORK, ex, participation=0.5, seed=3)
+        state = sim.init(variables)
+        for _ in range(2):
+            state, _ = sim.round(state)
+        states.append(state.server)
+    assert max_rel_err(states[0], states[1]) < 1e-6
+    assert max_rel_err(states[0].params, variables["params"]) > 1e-2
 
 
 def test_auto_picks_by_backend_and_model():
@@ -108,6 +144,9 @@ def test_executor_types():
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg()
     assert isinstance(make_executor("loop", algo, WORK, cd, variables, 3), LoopExecutor)
+    assert make_executor("loop", algo, WORK, cd, variables, 3).donate
+    conv = {"params": {"conv1": {"kernel": np.zeros((3, 3, 1, 4))}}}
+    assert not make_executor("loop", algo, WORK, cd, conv, 3).donate  # slower for convs
     assert isinstance(make_executor("vmap", algo, WORK, cd, variables, 3), VmapExecutor)
 
 

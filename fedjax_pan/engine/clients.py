@@ -2,9 +2,12 @@
 
 The training set lives once on the device; a client is a row of a padded index table.
 Batches are gathered inside the compiled step: in epoch e, client k visits its examples
-in the order of a permutation drawn from fold_in(key_k, e), B at a time, the last partial
-batch padded and masked. The permutation is drawn at the fixed width of the largest
-client, so every execution strategy (and the sequential reference) sees the same batches.
+in the order of a permutation drawn from fold_in(key_k, e), B at a time. The permutation
+is drawn at the fixed width of the largest client, so every execution strategy (and the
+sequential reference) sees the same batches. A last partial batch of r examples is
+computed on `tail_rows` rows (r rounded up to a multiple of ceil(B/4): at most three
+compiled tail shapes, not one per size) or, where clients step in lockstep, on B rows; the
+padding rows are masked either way.
 """
 
 from __future__ import annotations
@@ -97,18 +100,42 @@ def epoch_order(key: jax.Array, epoch: jax.Array, size: jax.Array, width: int) -
 
 
 def make_batch(images: jax.Array, labels: jax.Array, index_row: jax.Array, size: jax.Array,
-               key: jax.Array, step: jax.Array, batch_size: int) -> Dict[str, jax.Array]:
-    """The client's batch at local step `step` (cycling reshuffled epochs)."""
+               key: jax.Array, step: jax.Array, batch_size: int,
+               rows: Optional[int] = None) -> Dict[str, jax.Array]:
+    """The client's batch at local step `step` (cycling reshuffled epochs), on `rows`
+    rows (default B; fewer for a last partial batch); rows past the client's data are
+    masked."""
+    rows = batch_size if rows is None else rows
     width = index_row.shape[0]
     per_epoch = (size + batch_size - 1) // batch_size
     epoch, b = step // per_epoch, step % per_epoch
     order = jnp.concatenate([epoch_order(key, epoch, size, width),
                              jnp.zeros((batch_size,), jnp.int32)])
     start = b * batch_size
-    pos = jax.lax.dynamic_slice(order, (start,), (batch_size,))
-    mask = (start + jnp.arange(batch_size)) < size
+    pos = jax.lax.dynamic_slice(order, (start,), (rows,))
+    mask = (start + jnp.arange(rows)) < size
     idx = index_row[pos]
     return {"x": images[idx], "y": labels[idx], "mask": mask.astype(jnp.float32)}
+
+
+def tail_rows(sizes: np.ndarray, batch_size: int) -> np.ndarray:
+    """Rows computed for each client's last partial batch, 0 where it has none.
+
+    The remainder n mod B rounded up to a multiple of ceil(B/4), so at most 3 tail shapes
+    are compiled (each costs a compilation of the step); a remainder that rounds up to B
+    is just a masked full batch (0).
+    """
+    granule = -(-batch_size // 4)
+    rows = -(-(np.asarray(sizes, np.int64) % batch_size) // granule) * granule
+    return np.where(rows >= batch_size, 0, rows)
+
+
+def step_rows(size: int, steps: int, batch_size: int) -> list:
+    """Rows computed at each of a client's local steps when it runs alone."""
+    tail = int(tail_rows(np.asarray([size]), batch_size)[0])
+    per_epoch = -(-size // batch_size)
+    return [tail if tail and t % per_epoch == per_epoch - 1 else batch_size
+            for t in range(steps)]
 
 
 def client_keys(base_key: jax.Array, round_index: int, client_ids: np.ndarray) -> jax.Array:

@@ -2,15 +2,17 @@
 
 Strategies (all give the same numbers up to float32 summation order):
   loop     a Python loop over clients of one jitted step (fast for convnets on CPU, where
-           vmapped convs are ~5x and convs inside lax.scan ~30x slower);
-  vmap     groups of G clients of similar step counts, vmapped, stepping inside lax.scan in
-           power-of-two chunks of at most `chunk` steps (a group's longest client decides
-           how many: no step is rounded up); clients that ran out of steps are frozen;
+           vmapped convs are ~5x and convs inside compiled loops ~30x slower);
+  vmap     groups of G clients of similar step counts, vmapped, each group's whole local
+           training (init, steps, output) in one compiled call whose step loop runs the
+           group's longest client; clients that ran out of steps are frozen by a mask;
+           a group of one is not vmapped and computes its last partial batches on fewer
+           rows (`clients.tail_rows`);
   sharded  the vmap path with the client axis sharded over jax.devices();
   auto     vmap on accelerators (sharded when there are several devices); on CPU, loop for
            models with convolutions and vmap for dense ones.
-Every compiled program has fixed shapes for a given configuration, so nothing recompiles
-after the first round.
+Step counts are loop bounds, not shapes, and every tail shape the data holds is compiled
+in the first round, so nothing recompiles after it.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm
-from fedjax_pan.engine.clients import ClientData, LocalWork, make_batch
+from fedjax_pan.engine.clients import ClientData, LocalWork, make_batch, step_rows, tail_rows
 
 PyTree = Any
 STRATEGIES = ("auto", "loop", "vmap", "sharded")
@@ -48,7 +50,7 @@ class CohortResult(NamedTuple):
     output_sum: PyTree  # sum_k w_k * output_k
     client_states: PyTree  # stacked (M, ...) in cohort order, or None
     metrics: Dict[str, jax.Array]  # sums over clients and steps
-    computed_steps: int  # client-steps computed, padding included
+    computed_examples: int  # batch rows computed, padding included
 
 
 def _zeros_metrics() -> Dict[str, jax.Array]:
@@ -65,8 +67,9 @@ class ClientProgram:
     def init(self, server, client_state, ctx):
         return self.algorithm.client_init(server, client_state, ctx), _zeros_metrics()
 
-    def step(self, arrays, carry, info, t, masked: bool = True):
-        """One local step; if `masked`, a client past its step count keeps its state.
+    def step(self, arrays, carry, info, t, masked: bool = True, rows: Optional[int] = None):
+        """One local step on `rows` batch rows; if `masked`, a client past its step count
+        keeps its state.
 
         The mask is a select over the whole state (a full extra memory pass), so callers
         that know every client is active pass masked=False.
@@ -74,7 +77,7 @@ class ClientProgram:
         local, acc = carry
         images, labels, table = arrays
         client, size, key, steps = info
-        batch = make_batch(images, labels, table[client], size, key, t, self.batch_size)
+        batch = make_batch(images, labels, table[client], size, key, t, self.batch_size, rows)
         new_local, metrics = self.algorithm.client_step(local, batch)
         if not masked:
             return new_local, tree_map(jnp.add, acc, metrics)
@@ -83,9 +86,41 @@ class ClientProgram:
         acc = tree_map(lambda a, m: a + jnp.where(active, m, 0.0), acc, metrics)
         return local, acc
 
+    def train_alone(self, arrays, carry, info, tails: tuple, tail_index):
+        """All of one client's steps, unmasked. Its last partial batch of an epoch runs on
+        `tails[tail_index - 1]` rows; tail_index 0: it has none, or runs it on B rows.
+
+        Every tail shape is a branch of one `lax.switch`, so one program serves all
+        clients and the step count is a loop bound, not a shape.
+        """
+        _, size, _, steps = info
+        step = lambda t, c: self.step(arrays, c, info, t, masked=False)  # noqa: E731
+        per_epoch = (size + self.batch_size - 1) // self.batch_size
+        full = per_epoch - (tail_index > 0)
+
+        def tail_step(rows):
+            return lambda t, c: self.step(arrays, c, info, t, masked=False, rows=rows)
+        branches = [lambda t, c: c] + [tail_step(r) for r in tails]
+
+        def epoch(e, c):
+            t0 = e * per_epoch
+            c = jax.lax.fori_loop(t0, jnp.minimum(t0 + full, steps), step, c)
+            # A partial last epoch (fractional E, 'steps' mode) may stop before its tail.
+            which = jnp.where(t0 + full < steps, tail_index, 0)
+            return jax.lax.switch(which, branches, t0 + full, c)
+        return jax.lax.fori_loop(0, (steps + per_epoch - 1) // per_epoch, epoch, carry)
+
     def finish(self, server, local, weight):
         output, client_state = self.algorithm.client_output(local, server)
         return tree_map(lambda o: o * weight.astype(o.dtype), output), client_state
+
+    def output_zeros(self, server, client_state, ctx):
+        """A compiled function returning zeros shaped like one client's weighted output
+        (the start of an output sum)."""
+        shapes = jax.eval_shape(
+            lambda: self.finish(server, self.init(server, client_state, ctx)[0],
+                                jnp.float32(1.0))[0])
+        return jax.jit(lambda: tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
 
 def _add(a: PyTree, b: PyTree) -> PyTree:
@@ -100,43 +135,92 @@ def _take(tree: PyTree, i) -> PyTree:
     return None if tree is None else tree_map(lambda x: x[i], tree)
 
 
+def _client_args(data: ClientData, cohort: Cohort, m):
+    """(client_state, ctx, info) of cohort slot(s) m (an int or an index array)."""
+    ids = np.asarray(cohort.ids)[m]
+    sizes = jnp.asarray(data.sizes[ids], jnp.int32)
+    steps = jnp.asarray(np.asarray(cohort.steps)[m], jnp.int32)
+    ctx = ClientContext(cohort.rngs[m], steps, sizes)
+    info = (jnp.asarray(ids, jnp.int32), sizes, cohort.data_keys[m], steps)
+    return _take(cohort.client_states, m), ctx, info
+
+
+def _stack(states: list) -> PyTree:
+    return None if states[0] is None else tree_map(lambda *s: jnp.stack(s), *states)
+
+
 @dataclasses.dataclass
 class LoopExecutor:
-    """Clients one after another, one compiled call per local step."""
+    """Clients one after another, one compiled call per local step.
+
+    `donate` lets each step update the working state in place. On CPU that saves a few
+    percent for dense models but costs ~12% per step for small convnets (measured:
+    47 -> 53 ms for VGG9 at width 1/4, B=64), so `make_executor` donates for dense models
+    only.
+    """
 
     program: ClientProgram
     data: ClientData
+    donate: bool = True
 
     def __post_init__(self):
         p = self.program
         self._init = jax.jit(p.init)
+        self._reset = jax.jit(lambda carry, *args: p.init(*args), donate_argnums=(0,))
         # Clients run exactly their own steps here, so no step needs a mask.
-        self._step = jax.jit(functools.partial(p.step, masked=False), donate_argnums=(1,))
-        self._finish = jax.jit(p.finish)
-        self._add = jax.jit(_add, donate_argnums=(0,))
+        self._step = jax.jit(lambda arrays, carry, info, t, rows: p.step(
+            arrays, carry, info, t, masked=False, rows=rows), static_argnums=(4,),
+            donate_argnums=(1,) if self.donate else ())
+        self._end = jax.jit(self._accumulate, donate_argnums=(3, 4))
         self._arrays = (self.data.images, self.data.labels, self.data.index_table)
+        self._compiled: Optional[dict] = None
+        self._zeros = None
+
+    def _accumulate(self, server, carry, weight, out_sum, metrics):
+        local, acc = carry
+        out, state = self.program.finish(server, local, weight)
+        return _add(out_sum, out), _add(metrics, acc), state
+
+    def computed_examples(self, sizes: np.ndarray, steps: np.ndarray) -> int:
+        """Batch rows computed for clients of `sizes` taking `steps`, padding included."""
+        b = self.program.batch_size
+        return sum(sum(step_rows(int(n), int(s), b)) for n, s in zip(sizes, steps))
+
+    def _compile(self, carry, info) -> dict:
+        # Every step shape the data holds, compiled before any client runs: no later round
+        # (whose cohort may hold new tail sizes) compiles.
+        b = self.program.batch_size
+        shapes = {b} | {int(r) for r in tail_rows(self.data.sizes, b) if r}
+        return {r: self._step.lower(self._arrays, carry, info, jnp.int32(0), r).compile()
+                for r in sorted(shapes)}
 
     def run(self, server: PyTree, cohort: Cohort) -> CohortResult:
-        out_sum, metrics, states = None, _zeros_metrics(), []
+        metrics, states, carry = _zeros_metrics(), [], None
         for m, client in enumerate(cohort.ids):
-            size, steps = jnp.int32(self.data.sizes[client]), jnp.int32(cohort.steps[m])
-            ctx = ClientContext(cohort.rngs[m], steps, size)
-            carry = self._init(server, _take(cohort.client_states, m), ctx)
-            info = (jnp.int32(client), size, cohort.data_keys[m], steps)
-            for t in range(int(cohort.steps[m])):
-                carry = self._step(self._arrays, carry, info, jnp.int32(t))
-            local, acc = carry
-            out, state = self._finish(server, local, jnp.float32(cohort.weights[m]))
-            out_sum = out if out_sum is None else self._add(out_sum, out)
-            metrics = self._add(metrics, acc)
+            client_state, ctx, info = _client_args(self.data, cohort, m)
+            if carry is None:
+                carry = self._init(server, client_state, ctx)
+                if self._zeros is None:
+                    self._zeros = self.program.output_zeros(server, client_state, ctx)
+                out_sum = self._zeros()
+            else:
+                carry = self._reset(carry, server, client_state, ctx)
+            if self._compiled is None:
+                self._compiled = self._compile(carry, info)
+            rows = step_rows(int(self.data.sizes[client]), int(cohort.steps[m]),
+                             self.program.batch_size)
+            for t, r in enumerate(rows):
+                carry = self._compiled[r](self._arrays, carry, info, jnp.int32(t))
+            out_sum, metrics, state = self._end(server, carry, jnp.float32(cohort.weights[m]),
+                                                out_sum, metrics)
             states.append(state)
-        stacked = None if states[0] is None else tree_map(lambda *s: jnp.stack(s), *states)
-        return CohortResult(out_sum, stacked, metrics, int(np.sum(cohort.steps)))
+        return CohortResult(out_sum, _stack(states), metrics,
+                            self.computed_examples(self.data.sizes[cohort.ids], cohort.steps))
 
 
 @dataclasses.dataclass
 class VmapExecutor:
-    """Groups of `group_size` clients vmapped; `chunk` masked steps per compiled call.
+    """Groups of `group_size` clients, vmapped, one compiled call per group.
 
     Clients are sorted by step count so a group's members finish together (bucketing);
     a short last group is filled with weight-0 clients that take no steps.
@@ -145,14 +229,13 @@ class VmapExecutor:
     program: ClientProgram
     data: ClientData
     group_size: int
-    chunk: int
     mesh: Optional[Mesh] = None
 
     def __post_init__(self):
-        if self.group_size < 1 or self.chunk < 1:
-            raise ValueError(f"group_size and chunk must be >= 1, got {self.group_size}, "
-                             f"{self.chunk}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         p = self.program
+        self.single = self.group_size == 1
         if self.mesh is not None:
             ndev = self.mesh.devices.size
             if self.group_size % ndev:
@@ -162,50 +245,37 @@ class VmapExecutor:
             self._repl = NamedSharding(self.mesh, PartitionSpec())
         arrays = (self.data.images, self.data.labels, self.data.index_table)
         self._arrays = self._replicate(arrays)
+        over_clients = functools.partial(_over_clients, single=self.single)
+        # A lone client has no one to wait for: its steps need no mask.
+        step = functools.partial(p.step, masked=not self.single)
+        if not self.single:
+            step = jax.vmap(step, in_axes=(None, 0, 0, None))
 
-        over_clients = functools.partial(_over_clients, single=self.group_size == 1)
-        # One client per group has no one to wait for: its steps need no mask.
-        masked = self.group_size > 1
-
-        def init(server, client_states, ctx):
-            return self._constrain(over_clients(p.init, (None, 0, 0))(server, client_states,
+        def run_group(arrays, server, client_states, ctx, info, num_steps, tail_index,
+                      weights, out_sum, metrics):
+            """The group's local training; adds its weighted outputs to `out_sum`."""
+            carry = self._constrain(over_clients(p.init, (None, 0, 0))(server, client_states,
                                                                        ctx))
-
-        def run_chunk(length, arrays, carry, info, t0):
-            single = self.group_size == 1
-            step = functools.partial(p.step, masked=masked)
-            if single:  # squeeze once per chunk, not once per step
-                carry, info = _take(carry, 0), _take(info, 0)
+            if self.single:  # squeezed, not vmapped: a size-1 vmap slows dense layers
+                local = p.train_alone(arrays, _take(carry, 0), _take(info, 0), self.tails,
+                                      tail_index)
+                carry = tree_map(lambda x: x[None], local)
             else:
-                step = jax.vmap(step, in_axes=(None, 0, 0, None))
-
-            def body(c, t):
-                return step(arrays, c, info, t), None
-            carry, _ = jax.lax.scan(body, carry, t0 + jnp.arange(length, dtype=jnp.int32))
-            return self._constrain(tree_map(lambda x: x[None], carry) if single else carry)
-
-        def finish_group(server, carry, weights, metrics):
-            """The group's weighted output sum, updated metrics, and new client states."""
-            local, acc = carry
+                carry = jax.lax.fori_loop(0, num_steps,
+                                          lambda t, c: step(arrays, c, info, t), carry)
+            local, acc = self._constrain(carry)
             outs, states = over_clients(p.finish, (None, 0, 0))(server, local, weights)
-            return _sum0(outs), _add(metrics, _sum0(acc)), states
+            return _add(out_sum, _sum0(outs)), _add(metrics, _sum0(acc)), states
 
-        def finish(server, carry, weights, out_sum, metrics):
-            group_sum, metrics, states = finish_group(server, carry, weights, metrics)
-            return _add(out_sum, group_sum), metrics, states
-
-        self._init = jax.jit(init)
-        self._chunk = jax.jit(run_chunk, static_argnums=(0,), donate_argnums=(2,))
-        # Powers of 4 up to `chunk`: few programs to compile, at most 3 calls of each
-        # smaller size per group.
-        self.chunk_sizes = sorted({4 ** i for i in range(int(math.log(self.chunk, 4)) + 1)}
-                                  | {self.chunk}, reverse=True)
-        self._compiled = None
-        self._finish = jax.jit(finish, donate_argnums=(3,))
-        self._first_finish = jax.jit(finish_group)
+        # Lone clients run their tails on fewer rows: every tail shape the data holds.
+        rows = tail_rows(self.data.sizes, p.batch_size) if self.single else []
+        self.tails = tuple(sorted({int(r) for r in rows if r}))
+        self._tail_slot = {r: i + 1 for i, r in enumerate(self.tails)}
+        self._run_group = jax.jit(run_group, donate_argnums=(8, 9))
+        self._zeros = None
 
     def _constrain(self, carry):
-        # Pins the client axis' sharding so chunk outputs feed the next (precompiled) chunk.
+        # Pins the client axis' sharding inside the group program.
         if self.mesh is None:
             return carry
         return tree_map(lambda x: jax.lax.with_sharding_constraint(x, self._split), carry)
@@ -224,58 +294,51 @@ class VmapExecutor:
         padded[:len(order)] = order
         return list(padded.reshape(n_groups, self.group_size))
 
-    def chunks(self, num_steps: int) -> list:
-        """(start, length) pieces covering num_steps, largest power-of-two pieces first."""
-        pieces, t = [], 0
-        for size in self.chunk_sizes:
-            while num_steps - t >= size:
-                pieces.append((t, size))
-                t += size
-        return pieces
-
-    def computed_steps(self, steps: np.ndarray) -> int:
+    def computed_examples(self, sizes: np.ndarray, steps: np.ndarray) -> int:
+        """Batch rows computed for clients of `sizes` taking `steps`, padding included."""
+        b = self.program.batch_size
+        if self.single:
+            return sum(sum(step_rows(int(n), int(s), b)) for n, s in zip(sizes, steps))
         longest = [int(np.max(np.asarray(steps)[g[g >= 0]])) for g in self.groups(steps)]
-        return sum(longest) * self.group_size
+        return sum(longest) * self.group_size * b
 
-    def _compile_chunks(self, carry, info) -> dict:
-        # Every chunk length is compiled up front, so no later round ever compiles.
-        return {n: self._chunk.lower(n, self._arrays, carry, info, jnp.int32(0)).compile()
-                for n in self.chunk_sizes}
+    def _tail_index(self, size: int) -> int:
+        """Which `lax.switch` branch runs this client's tail (0: none)."""
+        if not self.single:
+            return 0
+        rows = int(tail_rows(np.asarray([size]), self.program.batch_size)[0])
+        return self._tail_slot.get(rows, 0)
 
     def run(self, server: PyTree, cohort: Cohort) -> CohortResult:
         server = self._replicate(server)
-        out_sum, metrics = None, self._replicate(_zeros_metrics())
+        metrics, out_sum = self._replicate(_zeros_metrics()), None
         slot_states = [None] * len(cohort.ids)
         for g in self.groups(cohort.steps):
             real = g >= 0
             slots = np.where(real, g, g[0])
-            steps = np.where(real, cohort.steps[slots], 0)
-            weights = np.where(real, cohort.weights[slots], 0.0)
-            ids = cohort.ids[slots]
-            sizes = jnp.asarray(self.data.sizes[ids], jnp.int32)
-            steps_j = jnp.asarray(steps, jnp.int32)
-            info = self._split_put((jnp.asarray(ids, jnp.int32), sizes, cohort.data_keys[slots],
-                                    steps_j))
-            states = self._split_put(_take(cohort.client_states, slots))
-            ctx = self._split_put(ClientContext(cohort.rngs[slots], steps_j, sizes))
-            carry = self._init(server, states, ctx)
-            if self._compiled is None:
-                self._compiled = self._compile_chunks(carry, info)
-            for start, length in self.chunks(int(steps.max())):
-                carry = self._compiled[length](self._arrays, carry, info, jnp.int32(start))
-            w = self._split_put(jnp.asarray(weights, jnp.float32))
+            client_states, ctx, info = _client_args(self.data, cohort, slots)
+            # Filler slots take no steps and weigh nothing.
+            steps = jnp.asarray(np.where(real, cohort.steps[slots], 0), jnp.int32)
+            ctx, info = ctx._replace(num_steps=steps), info[:3] + (steps,)
+            weights = jnp.asarray(np.where(real, cohort.weights[slots], 0.0), jnp.float32)
+            args = (self._arrays, server, self._split_put(client_states),
+                    self._split_put(ctx), self._split_put(info),
+                    jnp.int32(np.max(cohort.steps[slots[real]])),
+                    jnp.int32(self._tail_index(self.data.sizes[cohort.ids[g[0]]])),
+                    self._split_put(weights))
             if out_sum is None:
-                out_sum, metrics, new_states = self._first_finish(server, carry, w, metrics)
-            else:
-                out_sum, metrics, new_states = self._finish(server, carry, w, out_sum, metrics)
+                if self._zeros is None:
+                    self._zeros = self.program.output_zeros(
+                        server, _take(cohort.client_states, 0),
+                        ClientContext(cohort.rngs[0], jnp.int32(0), jnp.int32(0)))
+                out_sum = self._replicate(self._zeros())
+            out_sum, metrics, new_states = self._run_group(*args, out_sum, metrics)
             if new_states is not None:
                 for j, slot in enumerate(g):
                     if slot >= 0:
                         slot_states[slot] = _take(new_states, j)
-        stacked = None
-        if slot_states[0] is not None:
-            stacked = tree_map(lambda *s: jnp.stack(s), *slot_states)
-        return CohortResult(out_sum, stacked, metrics, self.computed_steps(cohort.steps))
+        return CohortResult(out_sum, _stack(slot_states), metrics,
+                            self.computed_examples(self.data.sizes[cohort.ids], cohort.steps))
 
 
 def _over_clients(fn, in_axes, single: bool):
@@ -308,12 +371,12 @@ def resolve_strategy(strategy: str, variables: PyTree) -> str:
 
 def make_executor(strategy: str, algorithm: FederatedAlgorithm, work: LocalWork,
                   data: ClientData, variables: PyTree, clients_per_round: int,
-                  group_size: Optional[int] = None, chunk: Optional[int] = None):
+                  group_size: Optional[int] = None):
     """An executor for `strategy` ('auto' resolved against backend and model)."""
     program = ClientProgram(algorithm, work)
     concrete = resolve_strategy(strategy, variables)
     if concrete == "loop":
-        return LoopExecutor(program, data)
+        return LoopExecutor(program, data, donate=not has_convolutions(variables))
     mesh = None
     if concrete == "sharded":
         devices = np.asarray(jax.devices())
@@ -321,7 +384,7 @@ def make_executor(strategy: str, algorithm: FederatedAlgorithm, work: LocalWork,
         group_size = group_size or clients_per_round
         group_size = math.ceil(group_size / len(devices)) * len(devices)
     group_size = group_size or default_group_size(clients_per_round)
-    return VmapExecutor(program, data, group_size, chunk or 16, mesh)
+    return VmapExecutor(program, data, group_size, mesh)
 
 
 def default_group_size(clients_per_round: int) -> int:

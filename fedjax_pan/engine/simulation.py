@@ -118,6 +118,6 @@ class Simulation:
         stats = {
             "train_loss": float(metrics["loss_sum"]) / max(float(metrics["num_examples"]), 1.0),
             "real_examples": real,
-            "computed_examples": result.computed_steps * self.work.batch_size,
+            "computed_examples": result.computed_examples,
         }
         return SimState(server, client_states, state.round + 1), stats
