@@ -6,8 +6,12 @@ Times, in one process, after warm-up (median of `--reps`):
               784-1024-1024-1024-10), i.e. the best this step's arithmetic can run here;
   grad        forward + backward of the MLP (no optimiser);
   update      the optimiser update alone (momentum SGD on 2.9M parameters: memory-bound);
-  step        the engine's full local step (`fedjax_pan.algorithms.local.sgd_step`).
+  stream      a plain memory stream over parameter-sized arrays (read two, write one);
+  step        the engine's full local step (`fedjax_pan.algorithms.local.sgd_step`);
+  floor       shapes + the update's 5 passes over the parameters at stream bandwidth: the
+              best a step can do here, whatever the engine.
 The gaps between rows say what stands between the step and the 2048^2 ceiling.
+`benchmarks.run` includes this as its `profile` section.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,15 +44,18 @@ def _time(fn: Callable, *args, reps: int = 20) -> float:
     return statistics.median(times)
 
 
-def profile(batch: int = 64, reps: int = 20) -> Dict[str, Dict[str, float]]:
+def profile(batch: int = 64, reps: int = 20,
+            ceiling: Optional[float] = None) -> Dict[str, Dict[str, float]]:
+    """The rows above, in order; fractions are of `ceiling` GFLOP/s (measured if None)."""
     rng = np.random.default_rng(0)
     f32 = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
     out: Dict[str, Dict[str, float]] = {}
 
-    a, b = f32(2048, 2048), f32(2048, 2048)
-    t = _time(jax.jit(jnp.dot), a, b, reps=reps)
-    ceiling = 2 * 2048 ** 3 / t / 1e9
-    out["ceiling"] = {"seconds": t, "gflops": ceiling}
+    if ceiling is None:
+        a, b = f32(2048, 2048), f32(2048, 2048)
+        t = _time(jax.jit(jnp.dot), a, b, reps=reps)
+        ceiling = 2 * 2048 ** 3 / t / 1e9
+    out["ceiling"] = {"seconds": 2 * 2048 ** 3 / ceiling / 1e9, "gflops": ceiling}
 
     # The step's matmuls at their own shapes: x W (fwd), g W^T (input grads), x^T g (W grads).
     ws = [f32(i, o) for i, o in zip(SIZES[:-1], SIZES[1:])]
@@ -89,11 +96,26 @@ def profile(batch: int = 64, reps: int = 20) -> Dict[str, Dict[str, float]]:
     # momentum SGD reads grads, params, momentum and writes params, momentum: 5 passes.
     out["update"] = {"seconds": t, "gb_per_s": 5 * nbytes / t / 1e9}
 
+    # Bandwidth: out = a + 0.5 b over parameter-sized buffers, 3 passes, in place.
+    n = models.count_params(variables)
+    sa, sb = f32(n), f32(n)
+    stream = jax.jit(lambda a, b: a + 0.5 * b, donate_argnums=(0,))
+    box = [stream(sa, sb)]
+
+    def run_stream():
+        box[0] = stream(box[0], sb)
+        return box[0]
+    t = _time(run_stream, reps=reps)
+    stream_rate = 3 * nbytes / t
+    out["stream"] = {"seconds": t, "gb_per_s": stream_rate / 1e9}
+
     state = local.init_local(tx, variables, 1.0)
     batch_d = {"x": x, "y": y, "mask": jnp.ones(batch, jnp.float32)}
     step = jax.jit(lambda s, b: local.sgd_step(model, tx, s, b)[0])
     t = _time(step, state, batch_d, reps=reps)
     out["step"] = {"seconds": t, "gflops": flops / t / 1e9}
+    floor = out["shapes"]["seconds"] + 5 * nbytes / stream_rate
+    out["floor"] = {"seconds": floor, "gflops": flops / floor / 1e9}
     for row in out.values():
         if "gflops" in row:
             row["fraction_of_ceiling"] = row["gflops"] / ceiling

@@ -146,7 +146,46 @@ def _blocks(results: Results) -> List[tuple]:
         blocks.append(("Scaling (MLP bench)", [
             f"strategy {r['strategy']} (auto); compiles after warm-up: "
             f"{r['compiles_after_warmup']}"], header, rows))
+    if "profile" in results:
+        blocks.append(_profile_block(results))
     return blocks
+
+
+PROFILE_PARTS = {
+    "ceiling": "jitted float32 2048^2 matmul (the reference)",
+    "shapes": "the step's own matmuls at their shapes (forward, input and weight grads)",
+    "grad": "forward + backward of the MLP",
+    "update": "momentum SGD update alone (not in place)",
+    "stream": "memory stream over parameter-sized arrays (read 2, write 1, in place)",
+    "step": "the library's local step (`sgd_step`), standalone call",
+    "floor": "shapes + the update's 5 parameter passes at stream bandwidth",
+}
+
+
+def _profile_block(results: Results) -> tuple:
+    r = results["profile"]
+    rows = []
+    for name, rec in r["rows"].items():
+        rows.append([name, f"{1e3 * rec['seconds']:.2f}",
+                     "-" if "gflops" not in rec else f"{rec['gflops']:.1f}",
+                     "-" if "fraction_of_ceiling" not in rec
+                     else f"{100 * rec['fraction_of_ceiling']:.1f}%",
+                     "-" if "gb_per_s" not in rec else f"{rec['gb_per_s']:.1f}",
+                     PROFILE_PARTS.get(name, "")])
+    floor = r["rows"]["floor"]["fraction_of_ceiling"]
+    notes = [f"one local step of the MLP bench (B={r['batch_size']}) taken apart; FLOPs as "
+             "in the MLP bench (6 x params per example)",
+             f"floor: a step cannot beat {100 * floor:.1f}% of the ceiling on this machine "
+             "(its matmuls run below the 2048^2 rate at these shapes and the optimiser "
+             "update is memory-bound)"]
+    if "mlp" in results:
+        m = results["mlp"]
+        rec = m["strategies"][m["auto"]["picks"]]
+        notes.append(f"the MLP bench's `auto` strategy ran at "
+                     f"{100 * rec['fraction_of_ceiling']:.1f}% of its ceiling, "
+                     f"{rec['fraction_of_ceiling'] / floor:.2f} of this floor")
+    header = ["part", "ms", "GFLOP/s", "% ceiling", "GB/s", "what"]
+    return ("What stands between the MLP step and the matmul ceiling", notes, header, rows)
 
 
 def _summary_lines(results: Results) -> List[str]:

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import profile_step
 from benchmarks.naive import NaiveFedAvg, engine_orders, max_rel_diff
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
@@ -44,7 +45,7 @@ from fedjax_pan.engine.execution import VmapExecutor
 
 PyTree = Any
 Log = Callable[[str], None]
-SECTIONS = ("mlp", "padding", "vgg", "scaling")
+SECTIONS = ("mlp", "padding", "vgg", "scaling", "profile")
 MLP_PARAMS = 2_913_290  # 784-1024-1024-1024-10
 
 
@@ -672,8 +673,17 @@ def scaling_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
             "compiles_after_warmup": sum(p["compiles_timed"] for p in points)}
 
 
+def profile_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+    """One MLP-bench local step taken apart (`benchmarks.profile_step`)."""
+    rows = profile_step.profile(settings.batch_size, 5 if settings.quick else 20, ceiling)
+    log(f"[profile] step {1e3 * rows['step']['seconds']:.2f} ms, floor "
+        f"{1e3 * rows['floor']['seconds']:.2f} ms ({rows['floor']['fraction_of_ceiling']:.3f} "
+        "of the ceiling)")
+    return {"batch_size": settings.batch_size, "rows": rows}
+
+
 SECTION_FUNCTIONS = {"mlp": mlp_section, "padding": padding_section, "vgg": conv_section,
-                     "scaling": scaling_section}
+                     "scaling": scaling_section, "profile": profile_section}
 
 
 def run_suite(settings: Settings, only: Sequence[str] = SECTIONS,

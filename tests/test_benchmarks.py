@@ -68,7 +68,7 @@ def _engine_configs(results):
 def test_every_section_is_present(quick):
     _, results, _ = quick
     for section in ("meta", "settings", "matmul", "mlp", "padding", "vgg", "scaling",
-                    "compiles", "memory", "targets", "total_seconds"):
+                    "profile", "compiles", "memory", "targets", "total_seconds"):
         assert section in results, section
     assert set(results["mlp"]["strategies"]) >= {"loop", "vmap"}
     assert "naive" in results["mlp"] and "naive" in results["padding"]
@@ -90,6 +90,19 @@ def test_numbers_are_finite_and_key_figures_positive(quick):
             checked += 1
     assert checked > 50
     assert results["memory"]["peak_rss_mib"] > 0 and results["compiles"]["count"] > 0
+
+
+def test_step_profile_floor_adds_up(quick):
+    _, results, _ = quick
+    rows = results["profile"]["rows"]
+    assert list(rows) == ["ceiling", "shapes", "grad", "update", "stream", "step", "floor"]
+    # floor = the matmuls at their shapes + 5 parameter passes at the stream's bandwidth.
+    nbytes = 4 * 2_913_290
+    want = rows["shapes"]["seconds"] + 5 * nbytes / (rows["stream"]["gb_per_s"] * 1e9)
+    assert rows["floor"]["seconds"] == pytest.approx(want, rel=1e-9)
+    assert 0 < rows["floor"]["fraction_of_ceiling"] < rows["shapes"]["fraction_of_ceiling"]
+    assert rows["ceiling"]["gflops"] == pytest.approx(results["matmul"]["per_section_gflops"]
+                                                      ["profile"])
 
 
 def test_padding_efficiency_is_a_fraction(quick):
@@ -123,6 +136,7 @@ def test_targets_and_reports_are_written(quick):
     assert len(names) == 5 and all(t["status"] in ("PASS", "MISS") for t in results["targets"])
     markdown = (out / "RESULTS.md").read_text()
     for needle in ["# Benchmark results", "## Targets", "## MLP bench", "## Scaling",
+                   "## What stands between the MLP step and the matmul ceiling",
                    "- commit:", "- machine:", "jax " + results["meta"]["jax"]]:
         assert needle in markdown, needle
     assert all(name in markdown and name in stdout for name in names)
