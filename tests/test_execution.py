@@ -120,9 +120,7 @@ def test_loop_without_donation_gives_the_same_numbers():
     for donate in (True, False):
         ex = LoopExecutor(ClientProgram(algo, WORK), cd, donate=donate)
         sim = Simulation(algo, cd, WORK, ex, participation=0.5, seed=3)
-        state = sim.init(variables)
-        for _ in range(2):
-            state, _ = sim.round(state)
+        state, _ = sim.round(sim.init(variables))
         states.append(state.server)
     assert max_rel_err(states[0], states[1]) < 1e-6
     assert max_rel_err(states[0].params, variables["params"]) > 1e-2
