@@ -128,7 +128,7 @@ def make_settings(suite: str = "cpu", quick: bool = False,
             conv=conv, slow_round_s=5.0, scaling_per_round=(2, 5, 10), scaling_reps=1)
     r = reps or 3
     conv = (
-        # Full-width VGG9 at a small workload: vmapped convs in lax.scan run ~20x slower
+        # Full-width VGG9 at a small workload: vmapped convs in compiled loops run ~20x slower
         # on CPU, and that strategy must still finish one timed round.
         ConvBench("vgg9_32x32x3", "vgg9", 1.0, (32, 32, 3), 10, 16, 16, 500, True),
         ConvBench("cnn_28x28x1", "vgg9", 0.25, (28, 28, 1), 10, 64, 64, 1000, False),
