@@ -138,6 +138,11 @@ def step_rows(size: int, steps: int, batch_size: int) -> list:
             for t in range(steps)]
 
 
+def computed_alone(sizes: np.ndarray, steps: np.ndarray, batch_size: int) -> int:
+    """Batch rows computed by clients of `sizes` taking `steps`, each running alone."""
+    return sum(sum(step_rows(int(n), int(s), batch_size)) for n, s in zip(sizes, steps))
+
+
 def client_keys(base_key: jax.Array, round_index: int, client_ids: np.ndarray) -> jax.Array:
     """One key per client for a round, independent of how clients are executed."""
     round_key = jax.random.fold_in(base_key, round_index)

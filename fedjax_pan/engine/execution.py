@@ -28,7 +28,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm
-from fedjax_pan.engine.clients import ClientData, LocalWork, make_batch, step_rows, tail_rows
+from fedjax_pan.engine.clients import (ClientData, LocalWork, computed_alone, make_batch,
+                                       step_rows, tail_rows)
 
 PyTree = Any
 STRATEGIES = ("auto", "loop", "vmap", "sharded")
@@ -183,8 +184,7 @@ class LoopExecutor:
 
     def computed_examples(self, sizes: np.ndarray, steps: np.ndarray) -> int:
         """Batch rows computed for clients of `sizes` taking `steps`, padding included."""
-        b = self.program.batch_size
-        return sum(sum(step_rows(int(n), int(s), b)) for n, s in zip(sizes, steps))
+        return computed_alone(sizes, steps, self.program.batch_size)
 
     def _compile(self, carry, info) -> dict:
         # Every step shape the data holds, compiled before any client runs: no later round
@@ -296,11 +296,10 @@ class VmapExecutor:
 
     def computed_examples(self, sizes: np.ndarray, steps: np.ndarray) -> int:
         """Batch rows computed for clients of `sizes` taking `steps`, padding included."""
-        b = self.program.batch_size
         if self.single:
-            return sum(sum(step_rows(int(n), int(s), b)) for n, s in zip(sizes, steps))
+            return computed_alone(sizes, steps, self.program.batch_size)
         longest = [int(np.max(np.asarray(steps)[g[g >= 0]])) for g in self.groups(steps)]
-        return sum(longest) * self.group_size * b
+        return sum(longest) * self.group_size * self.program.batch_size
 
     def _tail_index(self, size: int) -> int:
         """Which `lax.switch` branch runs this client's tail (0: none)."""
