@@ -17,6 +17,7 @@ SETTINGS = {  # (K, R, alpha, E, rounds)
     "table1_row2": (20, 0.4, 1.0, 40, 100),
     "fig9": (100, 0.1, 0.1, 5, 1000),
 }
+PRESETS = tuple(SETTINGS)
 
 
 def get_config(preset: str = "table1_row1") -> ml_collections.ConfigDict:

@@ -11,6 +11,8 @@ import ml_collections
 
 from fedjax_pan.defaults import default_config
 
+PRESETS = ("compare", "pans_on", "pans_off", "paper", "smoke")
+
 
 def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
     c = default_config()
@@ -37,5 +39,5 @@ def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
         c.checkpoint_every = 1
     else:
         raise ValueError(f"unknown preset {preset!r} for configs/fmnist_mlp.py; expected "
-                         "compare, pans_on, pans_off, paper or smoke")
+                         f"one of {', '.join(PRESETS)}")
     return c

@@ -39,5 +39,8 @@ def default_config() -> ml_collections.ConfigDict:
     # Alg. 2: shuffle hidden neurons during local training, N_sf times per round expected.
     c.shuffle = ml_collections.ConfigDict({"n_sf": 0.0, "p_sf": 0.1, "window": placeholder(float)})
     c.checkpoint_every = 10
+    # A round whose mean training loss exceeds this stops the run as diverged (cross-entropy
+    # of a uniform guess is ln C, 2.3 for 10 classes; the paper's runs stay below 3).
+    c.max_train_loss = 100.0
     c.variants = ml_collections.ConfigDict()
     return c

@@ -13,38 +13,30 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import jax
 import ml_collections
 import numpy as np
 
-from fedjax_pan import algorithms, models, permutation
+from fedjax_pan import algorithms, models, permutation, schema
 from fedjax_pan import data as data_lib
+from fedjax_pan import workdir as workdir_lib
+from fedjax_pan.algorithms.shuffle import with_shuffling
 from fedjax_pan.engine import (ClientData, LocalWork, Simulation, count_compiles,
                                make_evaluator, make_executor, resolve_strategy)
-from fedjax_pan.algorithms.fedavg import BN_MODES
-from fedjax_pan.algorithms.local import WARMUPS
-from fedjax_pan.algorithms.registry import SERVER_OPTIMIZERS
-from fedjax_pan.algorithms.shuffle import with_shuffling
-from fedjax_pan.data.partition import SCHEMES
-from fedjax_pan.engine.clients import STEP_MODES
-from fedjax_pan.engine.execution import STRATEGIES
-from fedjax_pan.engine.simulation import AGGREGATIONS, SimState
-from fedjax_pan.pan import as_config
+from fedjax_pan.engine.simulation import SimState
+from fedjax_pan.errors import ConfigError, Interrupted, TrainingDiverged, WorkdirError
+
+__all__ = ["ConfigError", "TrainingDiverged", "WorkdirError", "Interrupted", "Experiment",
+           "validate", "build", "train", "run", "summarize", "format_table"]
 
 # Keys that may change when resuming (to extend a run or change its reporting cadence).
-RESUMABLE_CHANGES = ("rounds", "eval", "checkpoint_every")
-
-
-class ConfigError(ValueError):
-    """An invalid configuration or workdir request; the message is one line."""
-
-
-class TrainingDiverged(RuntimeError):
-    """The training loss became NaN or infinite."""
+RESUMABLE_CHANGES = ("rounds", "eval", "checkpoint_every", "max_train_loss")
+# What a run's summary adds up over all the processes that ran it (kept in checkpoints).
+COUNTERS = ("wall_seconds", "real_examples", "computed_examples", "compiles",
+            "compiles_after_first_round", "processes")
 
 
 @dataclasses.dataclass
@@ -57,6 +49,7 @@ class Experiment:
     simulation: Simulation
     evaluate: Any
     strategy: str
+    setup_compiles: int = 0
 
 
 def _check(cond: bool, message: str) -> None:
@@ -65,57 +58,16 @@ def _check(cond: bool, message: str) -> None:
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
-    """Raises ConfigError naming the first invalid value; touches no file."""
-    _check(cfg.dataset.name in data_lib.DATASETS + ("synthetic",),
-           f"unknown dataset {cfg.dataset.name!r}; available: "
-           f"{', '.join(data_lib.DATASETS + ('synthetic',))}")
-    _check(cfg.model.name in models.NAMES,
-           f"unknown model {cfg.model.name!r}; available: {', '.join(models.NAMES)}")
-    _check(cfg.algorithm in algorithms.ALGORITHMS,
-           f"unknown algorithm {cfg.algorithm!r}; available: {', '.join(algorithms.ALGORITHMS)}")
-    _check(0.0 < cfg.participation <= 1.0,
-           f"participation R must lie in (0, 1], got {cfg.participation}")
-    _check(cfg.rounds >= 1, f"rounds must be >= 1, got {cfg.rounds}")
-    p = cfg.partition
-    _check(p.scheme in SCHEMES,
-           f"unknown partition scheme {p.scheme!r}; available: {', '.join(SCHEMES)}")
-    _check(p.num_clients >= 1, f"num_clients must be >= 1, got {p.num_clients}")
-    if p.scheme.startswith("dirichlet"):
-        _check(p.alpha is not None and p.alpha > 0, f"Dirichlet alpha must be > 0, got {p.alpha}")
-    _check(cfg.local.batch_size >= 1, f"batch_size must be >= 1, got {cfg.local.batch_size}")
-    _check(cfg.local.mode in STEP_MODES,
-           f"unknown local mode {cfg.local.mode!r}; expected one of {', '.join(STEP_MODES)}")
-    _check(cfg.local.mode == "steps" or cfg.local.epochs > 0,
-           f"local epochs must be > 0, got {cfg.local.epochs}")
-    _check(cfg.local.mode != "steps" or (cfg.local.local_steps or 0) >= 1,
-           f"local mode 'steps' needs local_steps >= 1, got {cfg.local.local_steps}")
-    _check(cfg.optimizer.lr > 0, f"learning rate must be > 0, got {cfg.optimizer.lr}")
-    _check(cfg.optimizer.warmup in WARMUPS,
-           f"unknown warmup {cfg.optimizer.warmup!r}; expected one of {', '.join(WARMUPS)}")
-    _check(cfg.server.optimizer in SERVER_OPTIMIZERS,
-           f"unknown server optimizer {cfg.server.optimizer!r}; expected one of "
-           f"{', '.join(SERVER_OPTIMIZERS)}")
-    _check(cfg.aggregation.weights in AGGREGATIONS,
-           f"unknown aggregation weights {cfg.aggregation.weights!r}; expected one of "
-           f"{', '.join(AGGREGATIONS)}")
-    _check(cfg.aggregation.bn in BN_MODES,
-           f"unknown bn mode {cfg.aggregation.bn!r}; expected one of {', '.join(BN_MODES)}")
-    _check(cfg.execution.strategy in STRATEGIES,
-           f"unknown execution strategy {cfg.execution.strategy!r}; expected one of "
-           f"{', '.join(STRATEGIES)}")
-    _check(cfg.eval.every >= 1, f"eval.every must be >= 1, got {cfg.eval.every}")
-    _check(cfg.shuffle.n_sf >= 0, f"shuffle.n_sf must be >= 0, got {cfg.shuffle.n_sf}")
-    _check(0.0 <= cfg.shuffle.p_sf <= 1.0, f"shuffle.p_sf must lie in [0, 1], got {cfg.shuffle.p_sf}")
-    _check(cfg.checkpoint_every >= 1, f"checkpoint_every must be >= 1, got {cfg.checkpoint_every}")
-    try:
-        as_config(cfg.pan)
-        models.layers.parse_norm(cfg.model.norm or "none")
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
+    """Raises ConfigError naming the first invalid or unknown value; touches no file."""
+    schema.validate(cfg)
 
 
-def _load_dataset(cfg: ml_collections.ConfigDict) -> data_lib.Dataset:
+def _load_dataset(cfg: ml_collections.ConfigDict,
+                  cache: Optional[Dict[Any, data_lib.Dataset]] = None) -> data_lib.Dataset:
     d = cfg.dataset
+    key = (d.name, d.data_dir, d.train_limit, cfg.seed)
+    if cache is not None and key in cache:
+        return cache[key]
     if d.name == "synthetic":
         ds = data_lib.synthetic(seed=cfg.seed)
     else:
@@ -123,20 +75,24 @@ def _load_dataset(cfg: ml_collections.ConfigDict) -> data_lib.Dataset:
             ds = data_lib.load(d.name, data_dir=d.data_dir)
         except data_lib.DataError as e:
             raise ConfigError(str(e)) from None
-    if d.train_limit:
+    if d.train_limit:  # a cap: a limit above the dataset's size keeps it whole
         keep = np.sort(np.random.default_rng(cfg.seed).permutation(ds.num_train)[:d.train_limit])
         ds = dataclasses.replace(ds, train_images=ds.train_images[keep],
                                  train_labels=ds.train_labels[keep])
+    if cache is not None:
+        cache[key] = ds
     return ds
 
 
-def build(cfg: ml_collections.ConfigDict) -> Experiment:
-    """Everything a run needs, from a validated config."""
+def build(cfg: ml_collections.ConfigDict,
+          cache: Optional[Dict[Any, data_lib.Dataset]] = None) -> Experiment:
+    """Everything a run needs, from a config (validated here); `cache` shares loaded data."""
     validate(cfg)
-    ds = _load_dataset(cfg)
+    ds = _load_dataset(cfg, cache)
     p = cfg.partition
     _check(p.num_clients <= ds.num_train,
-           f"num_clients {p.num_clients} exceeds the {ds.num_train} training examples")
+           f"config.partition.num_clients={p.num_clients} exceeds the {ds.num_train} "
+           "training examples")
     try:
         parts = data_lib.partition(ds.train_labels, p.num_clients, p.scheme, cfg.seed,
                                    alpha=p.alpha, classes_per_client=p.classes_per_client,
@@ -148,8 +104,8 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
     try:
         model = models.build(cfg.model.name, ds.num_classes, pan=pan, norm=cfg.model.norm,
                              **cfg.model.options.to_dict())
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"config.model.options {cfg.model.options.to_dict()}: {e}") from None
     variables = models.init(model, jax.random.PRNGKey(cfg.seed), ds.input_shape)
     stats = data_lib.NORMALIZATION.get(ds.name)
     train_x = ds.train_images if stats is None else data_lib.normalize(ds.train_images, stats)
@@ -164,8 +120,11 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
                                    cfg.shuffle.window)
     sim_m = max(1, int(round(cfg.participation * len(parts))))
     strategy = resolve_strategy(cfg.execution.strategy, variables)
-    executor = make_executor(strategy, algorithm, work, client_data, variables, sim_m,
-                             cfg.execution.group_size)
+    try:
+        executor = make_executor(strategy, algorithm, work, client_data, variables, sim_m,
+                                 cfg.execution.group_size)
+    except ValueError as e:
+        raise ConfigError(f"config.execution: {e}") from None
     simulation = Simulation(algorithm, client_data, work, executor, cfg.participation,
                             cfg.aggregation.weights, cfg.seed)
     evaluate = make_evaluator(model, test_x, ds.test_labels, cfg.eval.batch_size,
@@ -174,63 +133,38 @@ def build(cfg: ml_collections.ConfigDict) -> Experiment:
 
 
 # ----------------------------------------------------------------------------------------
-# Workdir: checkpoints and metrics.
+# Workdir: resumability and metrics.
 # ----------------------------------------------------------------------------------------
 
-def _checkpointer(workdir: str):
-    import orbax.checkpoint as ocp  # slow import, needed only when running
-    options = ocp.CheckpointManagerOptions(max_to_keep=2, create=True)
-    return ocp, ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")),
-                                      options=options)
-
-
-def _save(manager, ocp, state: SimState) -> None:
-    leaves = jax.tree_util.tree_leaves((state.server, state.client_states))
-    manager.save(state.round, args=ocp.args.StandardSave({f"{i:05d}": x for i, x in
-                                                          enumerate(leaves)}), force=True)
-    manager.wait_until_finished()
-
-
-def _restore(manager, ocp, template: SimState) -> SimState:
-    step = manager.latest_step()
-    leaves, treedef = jax.tree_util.tree_flatten((template.server, template.client_states))
-    target = {f"{i:05d}": x for i, x in enumerate(leaves)}
-    restored = manager.restore(step, args=ocp.args.StandardRestore(target))
-    server, clients = jax.tree_util.tree_unflatten(
-        treedef, [restored[f"{i:05d}"] for i in range(len(leaves))])
-    return SimState(server, clients, int(step))
-
-
-def _prepare_workdir(cfg: ml_collections.ConfigDict, workdir: str, resume: bool,
-                     overwrite: bool) -> None:
-    """Refuses to clobber: a non-empty workdir needs resume or overwrite."""
-    _check(not (resume and overwrite), "--resume and --overwrite exclude each other")
-    exists = os.path.isdir(workdir) and bool(os.listdir(workdir))
-    _check(not os.path.exists(workdir) or os.path.isdir(workdir),
-           f"workdir {workdir!r} exists and is not a directory")
-    if resume:
-        _check(exists and os.path.isfile(os.path.join(workdir, "config.json")),
-               f"nothing to resume in {workdir!r} (no config.json)")
-        with open(os.path.join(workdir, "config.json")) as f:
-            saved = json.load(f)
-        now = json.loads(cfg.to_json())
-        changed = sorted(k for k in set(saved) | set(now)
-                         if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
-        _check(not changed, f"cannot resume {workdir!r} with a different config "
-               f"(changed: {', '.join(changed)})")
+def check_workdir(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool,
+                  overwrite: bool) -> None:
+    """Everything about `workdir` that can refuse the run, checked before any data loads."""
+    workdir_lib.check(workdir, resume=resume, overwrite=overwrite)
+    if not resume:
         return
-    if exists:
-        _check(overwrite, f"workdir {workdir!r} is not empty; pass --resume to continue "
-               "or --overwrite to replace it")
-        shutil.rmtree(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    saved = workdir_lib.read_config(workdir)
+    now = json.loads(cfg.to_json())
+    changed = sorted(k for k in set(saved) | set(now)
+                     if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    _check(not changed, f"cannot resume {workdir!r} with a different config "
+           f"(changed: {', '.join(changed)}); only {', '.join(RESUMABLE_CHANGES)} may change")
+    subdirs = [os.path.join(workdir, name) for name in (cfg.get("variants") or {})]
+    for d in [workdir] + [d for d in subdirs if os.path.isdir(d)]:
+        done = max(workdir_lib.saved_rounds(d), default=0)
+        _check(cfg.rounds >= done, f"cannot resume {d!r} with rounds={cfg.rounds}: it has run "
+               f"{done} rounds already; pass --config.rounds={done} or more")
 
 
 def _read_metrics(path: str, up_to_round: int) -> List[Dict[str, Any]]:
     if not os.path.exists(path):
         return []
+    rows = []
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line cut short by a crash or a full disk
+                continue
     return [r for r in rows if r["round"] <= up_to_round]
 
 
@@ -270,80 +204,158 @@ def plot_curves(runs: Dict[str, List[Dict[str, Any]]], path: str, title: str = "
 
 def train(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
           overwrite: bool = False, progress: bool = True, desc: str = "") -> Dict[str, Any]:
-    """Runs `cfg` into `workdir`; returns the summary (also written to summary.json)."""
+    """Runs `cfg` into `workdir`; returns the summary (also written to summary.json).
+
+    The config, the workdir request and the data are all checked before anything is
+    written; see `workdir.claim` for how `overwrite` keeps the old results until this
+    run succeeds.
+    """
+    validate(cfg)
+    check_workdir(cfg, workdir, resume=resume, overwrite=overwrite)
+    with count_compiles() as c:
+        exp = build(cfg)
+    exp.setup_compiles = c.count
+    with workdir_lib.claim(workdir, overwrite=overwrite, resume=resume):
+        return _train(exp, workdir, resume=resume, progress=progress, desc=desc)
+
+
+class _Run:
+    """One process's share of a run: counters on top of those restored from a checkpoint."""
+
+    def __init__(self, base: Dict[str, Any], setup_compiles: int):
+        self.base = {k: base.get(k, 0) for k in COUNTERS}
+        self.start = time.time()
+        self.real = self.computed = self.rounds = 0
+        self.compiles = setup_compiles
+        self.first_round_compiles: Optional[int] = None
+
+    def totals(self) -> Dict[str, Any]:
+        if not self.rounds:  # e.g. resuming a finished run: its record stands
+            return dict(self.base)
+        own = {"wall_seconds": time.time() - self.start, "real_examples": self.real,
+               "computed_examples": self.computed, "compiles": self.compiles,
+               "compiles_after_first_round": self.compiles - self.first_round_compiles,
+               "processes": 1}
+        return {k: self.base[k] + own[k] for k in COUNTERS}
+
+
+def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
+           desc: str) -> Dict[str, Any]:
     from tqdm.auto import tqdm
 
+    cfg = exp.config
+    ckpt: Optional[workdir_lib.Checkpoints] = None
+    last_saved = 0
+
+    def safe() -> str:
+        if last_saved:
+            return (f"{workdir} holds rounds 1-{last_saved} (checkpoint of round "
+                    f"{last_saved}); free space and continue with --resume")
+        return "no round was saved; free space and run the command again"
+
     with count_compiles() as compiles:
-        exp = build(cfg)  # validates before the workdir is touched
-        _prepare_workdir(cfg, workdir, resume, overwrite)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(cfg.to_json(indent=2))
-        ocp, manager = _checkpointer(workdir)
         state = exp.simulation.init(exp.variables)
-        if resume and manager.latest_step() is not None:
-            state = _restore(manager, ocp, state)
+        with workdir_lib.writing(f"checkpoints in {workdir}", safe):
+            ckpt = workdir_lib.Checkpoints(workdir)
+        counters: Dict[str, Any] = {}
+        if resume and ckpt.latest() is not None:
+            tree, counters = ckpt.restore(ckpt.latest(), (state.server, state.client_states))
+            state = SimState(*tree, ckpt.latest())
+            last_saved = state.round
+        run = _Run(counters, exp.setup_compiles)
         metrics_path = os.path.join(workdir, "metrics.jsonl")
         rows = _read_metrics(metrics_path, state.round)
-        with open(metrics_path, "w") as f:  # drops rows past the restored checkpoint
-            f.writelines(json.dumps(r) + "\n" for r in rows)
+        with workdir_lib.writing(f"{workdir}/config.json", safe):
+            workdir_lib.write_atomic(os.path.join(workdir, "config.json"), cfg.to_json(indent=2))
+            # drops rows past the restored checkpoint
+            workdir_lib.write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+
+        saved_totals = run.totals()
+
+        def save(s: SimState) -> None:
+            nonlocal last_saved, saved_totals
+            totals = run.totals()
+            with workdir_lib.writing(f"the checkpoint of round {s.round}", safe):
+                ckpt.save(s.round, (s.server, s.client_states), totals)
+            last_saved, saved_totals = s.round, totals
 
         # Client k's expected accuracy on a test set with its own label mix (eval.local).
         counts = data_lib.client_label_counts(exp.dataset.train_labels, exp.client_indices,
                                               exp.dataset.num_classes)
         label_mix = counts / counts.sum(axis=1, keepdims=True)
-        start, real, computed, first_round_compiles = time.time(), 0, 0, None
         bar = tqdm(total=cfg.rounds, initial=state.round, desc=desc or "rounds",
                    disable=not progress, unit="round", dynamic_ncols=True)
-        last_saved = state.round
-        while state.round < cfg.rounds:
-            t0 = time.time()
-            new_state, stats = exp.simulation.round(state)
-            if not math.isfinite(stats["train_loss"]):
-                if last_saved != state.round:
-                    _save(manager, ocp, state)
-                bar.close()
-                raise TrainingDiverged(
-                    f"training loss is {stats['train_loss']} in round {new_state.round}; "
-                    f"stopped, last good checkpoint (round {state.round}) kept in "
-                    f"{os.path.join(workdir, 'checkpoints')}")
-            state = new_state
-            real += stats["real_examples"]
-            computed += stats["computed_examples"]
-            r = state.round
-            if r % cfg.eval.every == 0 or r == cfg.rounds:
-                ev = exp.evaluate(exp.simulation.algorithm.eval_variables(state.server))
-                row = {"round": r, "test_accuracy": ev["accuracy"], "test_loss": ev["loss"],
-                       "train_loss": stats["train_loss"], "seconds": time.time() - t0}
-                if cfg.eval.local:
-                    local_acc = label_mix @ ev["class_accuracy"]
-                    row.update(local_test_accuracy_mean=float(local_acc.mean()),
-                               local_test_accuracy_min=float(local_acc.min()),
-                               local_test_accuracy_std=float(local_acc.std()))
-                rows.append(row)
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-                bar.set_postfix(acc=f"{100 * ev['accuracy']:.2f}%",
-                                loss=f"{stats['train_loss']:.3f}")
-            if r % cfg.checkpoint_every == 0 or r == cfg.rounds:
-                _save(manager, ocp, state)
-                last_saved = r
-            if first_round_compiles is None:
-                first_round_compiles = compiles.count
-            bar.update(1)
-        bar.close()
-        manager.close()
+        try:
+            while state.round < cfg.rounds:
+                t0 = time.time()
+                new_state, stats = exp.simulation.round(state)
+                loss, r = stats["train_loss"], new_state.round
+                if not math.isfinite(loss) or loss > cfg.max_train_loss:
+                    if state.round > last_saved:
+                        save(state)
+                    kept = (f"the last good checkpoint (round {last_saved}) is kept in "
+                            f"{ckpt.directory}" if last_saved else
+                            "no round completed, so nothing was kept")
+                    why = ("is not finite" if not math.isfinite(loss) else
+                           f"exceeds config.max_train_loss={cfg.max_train_loss:g}")
+                    raise TrainingDiverged(
+                        f"training diverged in round {r}: training loss {loss:.4g} {why}; "
+                        f"{kept}; lower optimizer.lr or optimizer.grad_clip")
+                row = None
+                if r % cfg.eval.every == 0 or r == cfg.rounds:
+                    ev = exp.evaluate(exp.simulation.algorithm.eval_variables(new_state.server))
+                    row = {"round": r, "test_accuracy": ev["accuracy"], "test_loss": ev["loss"],
+                           "train_loss": loss, "seconds": time.time() - t0}
+                    if cfg.eval.local:
+                        local_acc = label_mix @ ev["class_accuracy"]
+                        row.update(local_test_accuracy_mean=float(local_acc.mean()),
+                                   local_test_accuracy_min=float(local_acc.min()),
+                                   local_test_accuracy_std=float(local_acc.std()))
+                # A round's bookkeeping and files complete before a signal is acted on.
+                with workdir_lib.deferred_interrupts():
+                    state = new_state
+                    run.rounds += 1
+                    run.real += stats["real_examples"]
+                    run.computed += stats["computed_examples"]
+                    run.compiles = exp.setup_compiles + compiles.count
+                    if run.first_round_compiles is None:
+                        run.first_round_compiles = run.compiles
+                    if row is not None:
+                        rows.append(row)
+                        with workdir_lib.writing(metrics_path, safe):
+                            with open(metrics_path, "a") as f:
+                                f.write(json.dumps(row) + "\n")
+                        bar.set_postfix(acc=f"{100 * row['test_accuracy']:.2f}%",
+                                        loss=f"{loss:.3f}")
+                    if r % cfg.checkpoint_every == 0 or r == cfg.rounds:
+                        save(state)
+                    bar.update(1)
+        except KeyboardInterrupt as e:
+            with workdir_lib.deferred_interrupts():  # a second Ctrl-C must not cut the save
+                if state.round > last_saved:
+                    save(state)
+            done = (f"rounds 1-{state.round} are saved in {workdir}; continue with --resume"
+                    if state.round else "no round was saved; run the command again")
+            raise workdir_lib.interrupted(e, f"interrupted in round {state.round + 1}; "
+                                          f"{done}") from None
+        finally:
+            bar.close()
+            ckpt.close()
 
-    summary = {**summarize(rows), "rounds": state.round, "wall_seconds": time.time() - start,
+    totals = saved_totals  # the final round is always saved: its record is the run's
+    summary = {**summarize(rows), "rounds": state.round, "wall_seconds": totals["wall_seconds"],
                "strategy": exp.strategy, "num_clients": len(exp.client_indices),
                "clients_per_round": exp.simulation.num_sampled,
-               "padding_efficiency": real / computed if computed else None,
-               "compiles": compiles.count,
-               "compiles_after_first_round": (compiles.count - first_round_compiles
-                                              if first_round_compiles is not None else 0)}
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    plot_curves({desc or "run": rows}, os.path.join(workdir, "curve.png"),
-                f"{cfg.model.name} on {cfg.dataset.name}")
+               "padding_efficiency": (totals["real_examples"] / totals["computed_examples"]
+                                      if totals["computed_examples"] else None),
+               "compiles": totals["compiles"],
+               "compiles_after_first_round": totals["compiles_after_first_round"],
+               "processes": totals["processes"]}
+    with workdir_lib.writing(f"the summary of {workdir}", safe):
+        workdir_lib.write_atomic(os.path.join(workdir, "summary.json"),
+                                 json.dumps(summary, indent=2))
+        plot_curves({desc or "run": rows}, os.path.join(workdir, "curve.png"),
+                    f"{cfg.model.name} on {cfg.dataset.name}")
     return summary
 
 
@@ -367,29 +379,53 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Dict[str, Any]
 
 def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
         overwrite: bool = False, progress: bool = True) -> Dict[str, Dict[str, Any]]:
-    """Runs `cfg` (or each of its variants) and returns {name: summary}."""
+    """Runs `cfg` (or each of its variants) and returns {name: summary}.
+
+    Every variant is validated and built (its data loaded and partitioned) before the
+    workdir is touched.
+    """
     variants = cfg.variants.to_dict() if cfg.get("variants") else {}
     if not variants:
         return {"run": train(cfg, workdir, resume=resume, overwrite=overwrite,
                              progress=progress)}
+    validate(cfg)
     configs = {name: apply_overrides(cfg, ov) for name, ov in variants.items()}
-    for c in configs.values():
-        validate(c)
-    if not resume:
-        _prepare_workdir(cfg, workdir, resume=False, overwrite=overwrite)
-    summaries = {name: train(c, os.path.join(workdir, name), resume=resume, overwrite=False,
-                             progress=progress, desc=name) for name, c in configs.items()}
-    curves = {name: _read_metrics(os.path.join(workdir, name, "metrics.jsonl"), cfg.rounds)
-              for name in configs}
-    plot_curves(curves, os.path.join(workdir, "curves.png"),
-                f"{cfg.model.name} on {cfg.dataset.name}")
-    with open(os.path.join(workdir, "comparison.json"), "w") as f:
-        json.dump(summaries, f, indent=2)
-    with open(os.path.join(workdir, "comparison.csv"), "w") as f:
-        f.write("variant,final_accuracy,best_accuracy,final_loss,rounds,wall_seconds\n")
-        for name, s in summaries.items():
-            f.write(f"{name},{s['final_accuracy']:.6f},{s['best_accuracy']:.6f},"
-                    f"{s['final_loss']:.6f},{s['rounds']},{s['wall_seconds']:.1f}\n")
+    for name, c in configs.items():
+        try:
+            validate(c)
+        except ConfigError as e:
+            raise ConfigError(f"variant {name!r}: {e}") from None
+    check_workdir(cfg, workdir, resume=resume, overwrite=overwrite)
+    cache: Dict[Any, data_lib.Dataset] = {}
+    experiments = {}
+    for name, c in configs.items():
+        with count_compiles() as counted:
+            experiments[name] = build(c, cache)
+        experiments[name].setup_compiles = counted.count
+    top = os.path.join(workdir, "config.json")
+    with workdir_lib.claim(workdir, overwrite=overwrite, resume=resume):
+        with workdir_lib.writing(top, lambda: "nothing of this run was saved yet"):
+            workdir_lib.write_atomic(top, cfg.to_json(indent=2))
+        summaries = {}
+        for name, exp in experiments.items():
+            sub = os.path.join(workdir, name)
+            again = resume and os.path.isfile(os.path.join(sub, "config.json"))
+            if not again:
+                os.makedirs(sub, exist_ok=True)
+            summaries[name] = _train(exp, sub, resume=again, progress=progress, desc=name)
+        curves = {name: _read_metrics(os.path.join(workdir, name, "metrics.jsonl"), cfg.rounds)
+                  for name in configs}
+        csv = ["variant,final_accuracy,best_accuracy,final_loss,rounds,wall_seconds\n"]
+        csv += [f"{name},{s['final_accuracy']:.6f},{s['best_accuracy']:.6f},"
+                f"{s['final_loss']:.6f},{s['rounds']},{s['wall_seconds']:.1f}\n"
+                for name, s in summaries.items()]
+        with workdir_lib.writing(f"the comparison in {workdir}",
+                                 lambda: f"each variant's results are complete in {workdir}"):
+            plot_curves(curves, os.path.join(workdir, "curves.png"),
+                        f"{cfg.model.name} on {cfg.dataset.name}")
+            workdir_lib.write_atomic(os.path.join(workdir, "comparison.json"),
+                                     json.dumps(summaries, indent=2))
+            workdir_lib.write_atomic(os.path.join(workdir, "comparison.csv"), "".join(csv))
     return summaries
 
 

@@ -1,13 +1,21 @@
 """Command line: python -m fedjax_pan.main --config=FILE[:preset] [--config.KEY=VALUE ...] --workdir=DIR
 
 Runs a config (or each of its variants) into DIR. A non-empty DIR is refused unless
---resume (continue from its last checkpoint) or --overwrite. Invalid input prints one
-`error:` line and exits with status 2; a diverged run (NaN loss) exits with status 3.
+--resume (continue from its last checkpoint) or --overwrite (replace it once the new run
+succeeds). Every way a run can end early prints one `error:` line and exits with:
+2 invalid input (config value, workdir request, data), 3 training diverged, 4 the workdir
+could not be written or read back, 130/143 interrupted by SIGINT/SIGTERM (resumable),
+1 anything unexpected (its traceback is saved to a file the line names).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+import tempfile
+import time
+import traceback
 from typing import List, Optional
 
 from absl import flags
@@ -15,16 +23,19 @@ from ml_collections import config_flags
 
 USAGE = ("usage: python -m fedjax_pan.main --config=configs/FILE.py[:preset] "
          "[--config.KEY=VALUE ...] --workdir=DIR [--resume | --overwrite] [--noprogress]")
+_OVERRIDE = re.compile(r"^--?config\.([^=]+)")
 
 
-def _flags() -> flags.FlagValues:
+def _flags(argv: List[str]) -> flags.FlagValues:
     fv = flags.FlagValues()
+    # sys_argv: overrides are read from the argv given, not sys.argv (main() runs in-process).
     config_flags.DEFINE_config_file("config", None, "ml_collections config file[:preset]",
-                                    flag_values=fv, lock_config=True)
+                                    flag_values=fv, lock_config=True, sys_argv=argv)
     flags.DEFINE_string("workdir", None, "output directory", flag_values=fv)
     flags.DEFINE_bool("resume", False, "continue from the workdir's last checkpoint",
                       flag_values=fv)
-    flags.DEFINE_bool("overwrite", False, "replace a non-empty workdir", flag_values=fv)
+    flags.DEFINE_bool("overwrite", False, "replace a non-empty workdir once the new run "
+                      "succeeds", flag_values=fv)
     flags.DEFINE_bool("progress", True, "show a progress bar", flag_values=fv)
     return fv
 
@@ -37,30 +48,82 @@ def _error(message, status: int = 2) -> int:
     return status
 
 
+def _unknown_override(argv: List[str]) -> Optional[str]:
+    """The message for the first --config.KEY that names no config key, if any."""
+    from fedjax_pan import schema  # light: no jax computation happens on import
+    known = schema.known_keys()
+    for arg in argv[1:]:
+        m = _OVERRIDE.match(arg)
+        if m is None:
+            continue
+        key = m.group(1)
+        if key in known or any(key.startswith(k + ".") for k in schema.OPAQUE):
+            continue
+        return schema.unknown_key(key, known)
+    return None
+
+
+def _missing_key(argv: List[str], e: BaseException) -> str:
+    name = str(e).strip("'\"").split("'")[0].split("\\")[0]
+    for arg in argv[1:]:
+        m = _OVERRIDE.match(arg)
+        if m and m.group(1).rsplit(".", 1)[-1] == name:
+            section = m.group(1).rsplit(".", 1)[0]
+            return (f"cannot set config.{m.group(1)}: this config's {section} has no key "
+                    f"{name!r}; add it in the config file")
+    return f"{type(e).__name__}: {e}"
+
+
+def _unexpected(e: BaseException) -> int:
+    path = os.path.join(tempfile.gettempdir(),
+                        f"fedjax_pan-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    try:
+        with open(path, "w") as f:
+            traceback.print_exception(type(e), e, e.__traceback__, file=f)
+        where = f"traceback in {path}"
+    except OSError:
+        where = "its traceback could not be saved"
+    notes = "; ".join(getattr(e, "__notes__", []))
+    return _error(f"unexpected {type(e).__name__}: {e}{'; ' + notes if notes else ''} "
+                  f"({where})", status=1)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv if argv is None else argv)
-    fv = _flags()
+    fv = _flags(argv)
     try:
+        unknown = _unknown_override(argv)
+        if unknown:
+            return _error(unknown)
         fv(argv)
         cfg = fv.config
         if cfg is not None:
             cfg.to_json()  # config files load lazily: surface their errors here
     except flags.Error as e:
         return _error(e)
+    except KeyboardInterrupt:
+        return _error("interrupted before the run started; nothing was written", status=130)
+    except (AttributeError, KeyError) as e:  # an override naming a key the file lacks
+        return _error(_missing_key(argv, e))
     except Exception as e:  # a config file raising on a bad preset or override
         return _error(f"{type(e).__name__}: {e}")
     if cfg is None or not fv.workdir:
         return _error(f"--config and --workdir are required; {USAGE}")
 
-    from fedjax_pan import experiment  # heavy imports only once the flags are valid
+    from fedjax_pan import experiment, workdir  # heavy imports only once the flags are valid
+    from fedjax_pan.errors import RunError
 
+    workdir.raise_on_sigterm()
     try:
         summaries = experiment.run(cfg, fv.workdir, resume=fv.resume,
                                    overwrite=fv.overwrite, progress=fv.progress)
-    except experiment.ConfigError as e:
-        return _error(e)
-    except experiment.TrainingDiverged as e:
-        return _error(e, status=3)
+    except RunError as e:
+        return _error(e, status=e.status)
+    except KeyboardInterrupt as e:  # before the run claimed its workdir
+        return _error("interrupted before the run started; nothing was written",
+                      status=128 + workdir.signal_number(e))
+    except Exception as e:  # noqa: BLE001 - one line for the user; the traceback to a file
+        return _unexpected(e)
     print(experiment.format_table(summaries))
     print(f"results in {fv.workdir}")
     return 0

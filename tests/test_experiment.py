@@ -1,5 +1,6 @@
 """Config-driven runs: resume equals an uninterrupted run, bad input, divergence, workdirs."""
 
+import errno
 import importlib.util
 import json
 import os
@@ -10,6 +11,7 @@ import pytest
 
 from conftest import ROOT
 from fedjax_pan import experiment
+from fedjax_pan.engine import count_compiles
 
 
 def config(preset="smoke", **changes):
@@ -116,3 +118,146 @@ def test_local_test_accuracy_is_logged_when_asked(tmp_path):
     assert row["local_test_accuracy_min"] <= row["local_test_accuracy_mean"] <= 1.0
     # IID clients hold (nearly) the global label mix: their expected accuracy is the global one.
     assert abs(row["local_test_accuracy_mean"] - row["test_accuracy"]) < 0.03
+
+
+def test_a_failing_overwrite_loses_nothing(tmp_path):
+    workdir = str(tmp_path / "w")
+    experiment.train(config(rounds=2), workdir, progress=False)
+    before = {f: open(os.path.join(workdir, f), "rb").read()
+              for f in ("config.json", "metrics.jsonl", "summary.json")}
+    # Refused by the data (more clients than examples), then by a divergence in round 1.
+    with pytest.raises(experiment.ConfigError, match="num_clients=5000 exceeds"):
+        experiment.train(config(partition__num_clients=5000), workdir, overwrite=True,
+                         progress=False)
+    with pytest.raises(experiment.TrainingDiverged, match="round 1.*unchanged"):
+        experiment.train(config(max_train_loss=0.01), workdir, overwrite=True, progress=False)
+    assert os.listdir(tmp_path) == ["w"]
+    assert {f: open(os.path.join(workdir, f), "rb").read() for f in before} == before
+    assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1", "2"]
+    # A new run that saved a round before failing is kept, and so are the old results.
+    with pytest.raises(experiment.TrainingDiverged, match="round 2.*replacing are kept in "
+                                                          r"(\S+)$") as info:
+        experiment.train(config(optimizer__lr=1e4), workdir, overwrite=True, progress=False)
+    aside = str(info.value).rsplit(" ", 1)[1]
+    assert {f: open(os.path.join(aside, f), "rb").read() for f in before} == before
+    assert len(metrics(workdir)) == 1
+
+
+def test_a_loss_that_explodes_is_divergence_and_says_what_was_kept(tmp_path):
+    # Finite but exploding (the default grad_clip keeps it from NaN): still divergence.
+    with pytest.raises(experiment.TrainingDiverged,
+                       match=r"round 2: training loss \S+e\+\d+ exceeds config.max_train_loss"
+                             r"=100; the last good checkpoint \(round 1\) is kept"):
+        experiment.train(config(optimizer__lr=1e4, checkpoint_every=5), str(tmp_path / "a"),
+                         progress=False)
+    assert os.listdir(tmp_path / "a" / "checkpoints") == ["1"]
+    with pytest.raises(experiment.TrainingDiverged,
+                       match=r"round 1: .*no round completed, so nothing was kept"):
+        experiment.train(config(max_train_loss=0.01), str(tmp_path / "c"), progress=False)
+    assert not (tmp_path / "c").exists()  # so the same workdir can be used again at once
+    # A limit the run stays under lets it finish.
+    experiment.train(config(rounds=2, max_train_loss=50.0), str(tmp_path / "b"),
+                     progress=False)
+
+
+def test_resume_keeps_the_whole_runs_record(tmp_path):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    s_full = experiment.train(config(rounds=4), full, progress=False)
+    s_2 = experiment.train(config(rounds=2), part, progress=False)
+    with count_compiles() as second:
+        s_4 = experiment.train(config(rounds=4), part, resume=True, progress=False)
+    assert metrics(part) == metrics(full)
+    # Summaries count every process: padding over all 4 rounds, compiles of both.
+    assert s_4["processes"] == 2 and s_full["processes"] == 1
+    assert s_4["padding_efficiency"] == pytest.approx(s_full["padding_efficiency"], abs=1e-12)
+    assert s_4["padding_efficiency"] != s_2["padding_efficiency"]
+    assert second.count > 0 and s_4["compiles"] == s_2["compiles"] + second.count
+    assert s_4["compiles_after_first_round"] == 0
+    assert s_4["wall_seconds"] > s_2["wall_seconds"]
+    # Resuming a finished run changes nothing it wrote.
+    summary = open(os.path.join(part, "summary.json")).read()
+    config_json = open(os.path.join(part, "config.json")).read()
+    assert experiment.train(config(rounds=4), part, resume=True, progress=False) == s_4
+    assert open(os.path.join(part, "summary.json")).read() == summary
+    assert open(os.path.join(part, "config.json")).read() == config_json
+    # Fewer rounds than were run is refused before anything is written.
+    with pytest.raises(experiment.ConfigError, match="rounds=3: it has run 4 rounds"):
+        experiment.train(config(rounds=3), part, resume=True, progress=False)
+    assert open(os.path.join(part, "config.json")).read() == config_json
+
+
+def test_a_corrupt_checkpoint_is_reported_and_nothing_is_rewritten(tmp_path):
+    workdir = str(tmp_path / "w")
+    experiment.train(config(rounds=2), workdir, progress=False)
+    config_json = open(os.path.join(workdir, "config.json")).read()
+    data = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(workdir, "checkpoints", "2"))
+            for f in fs if f"{os.sep}d{os.sep}" in os.path.join(d, f)]
+    big = max(data, key=os.path.getsize)
+    raw = bytearray(open(big, "rb").read())
+    raw[len(raw) // 2] ^= 0xFF
+    open(big, "wb").write(bytes(raw))
+    with pytest.raises(experiment.WorkdirError, match="checkpoints/2 is corrupt.*resume from "
+                                                      "round 1"):
+        experiment.train(config(rounds=3), workdir, resume=True, progress=False)
+    assert open(os.path.join(workdir, "config.json")).read() == config_json
+
+
+def _full_disk_at(monkeypatch, rounds):
+    """Checkpoint saves of `rounds` fail the way tensorstore reports a full disk."""
+    import orbax.checkpoint as ocp
+    real = ocp.CheckpointManager.save
+
+    def save(self, step, *args, **kwargs):
+        if step in rounds:
+            raise ValueError("RESOURCE_EXHAUSTED: Failed to write 2048 bytes to file 14: "
+                             "No space left on device [os_error_code='28']")
+        return real(self, step, *args, **kwargs)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+
+
+def test_a_full_disk_ends_in_one_line_and_the_run_resumes(tmp_path, monkeypatch):
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    experiment.train(config(rounds=4, checkpoint_every=2), full, progress=False)
+    _full_disk_at(monkeypatch, {4})
+    with pytest.raises(experiment.WorkdirError,
+                       match=r"cannot write the checkpoint of round 4: No space left on device; "
+                             r".*holds rounds 1-2 .*resume"):
+        experiment.train(config(rounds=4, checkpoint_every=2), part, progress=False)
+    monkeypatch.undo()
+    experiment.train(config(rounds=4, checkpoint_every=2), part, resume=True, progress=False)
+    assert metrics(part) == metrics(full)
+
+
+def test_a_full_disk_while_logging_metrics(tmp_path, monkeypatch):
+    real_open = open
+
+    def fake_open(path, mode="r", *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and mode == "a":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, mode, *args, **kwargs)
+    monkeypatch.setattr(experiment, "open", fake_open, raising=False)
+    with pytest.raises(experiment.WorkdirError,
+                       match=r"metrics.jsonl: No space left on device.*no round was saved; free "
+                             r"space and run the command again"):
+        experiment.train(config(rounds=2), str(tmp_path / "w"), progress=False)
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_read_only_workdir_fails_before_the_data_loads(tmp_path, monkeypatch):
+    from fedjax_pan import workdir as workdir_lib
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(workdir_lib.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(experiment, "build", lambda *a, **k: pytest.fail("data was loaded"))
+    with pytest.raises(experiment.WorkdirError, match="Read-only file system"):
+        experiment.train(config(), str(tmp_path / "w"), progress=False)
+    assert not (tmp_path / "w").exists()
+
+
+def test_a_refused_workdir_costs_no_data_loading(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("keep me")
+    monkeypatch.setattr(experiment, "build", lambda *a, **k: pytest.fail("data was loaded"))
+    for preset in ("smoke", "compare"):
+        with pytest.raises(experiment.ConfigError, match="not empty"):
+            experiment.run(config(preset), str(tmp_path), progress=False)

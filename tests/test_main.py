@@ -2,8 +2,11 @@
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -61,3 +64,73 @@ def test_real_data_smoke_run(tmp_path, capsys):
     before = sorted(os.listdir(workdir))
     assert main.main(["prog", SMOKE, f"--workdir={workdir}", "--noprogress"]) == 2
     assert sorted(os.listdir(workdir)) == before
+
+
+SYNTHETIC = [SMOKE, "--noprogress", "--config.dataset.name=synthetic"]
+
+
+def _rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in f]
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_ends_in_one_line_and_the_run_resumes_exactly(tmp_path, sig, status):
+    workdir = str(tmp_path / "w")
+    args = [sys.executable, "-m", "fedjax_pan.main", *SYNTHETIC, f"--workdir={workdir}",
+            "--config.rounds=100000", "--config.checkpoint_every=1000"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.exists(os.path.join(workdir, "metrics.jsonl")) and len(_rows(workdir)) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert proc.returncode == status, err
+    assert len(lines) == 1 and re.match(r"error: interrupted in round (\d+); rounds 1-\d+ are "
+                                        r"saved in .*; continue with --resume$", lines[0]), err
+    done = int(re.search(r"rounds 1-(\d+)", lines[0]).group(1))
+    assert os.listdir(os.path.join(workdir, "checkpoints")) == [str(done)]
+    assert len(_rows(workdir)) == done
+    # Resumed to two rounds more, it matches a run that was never interrupted.
+    more = [f"--config.rounds={done + 2}", "--config.checkpoint_every=1000"]
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={workdir}", "--resume", *more]) == 0
+    again = str(tmp_path / "uninterrupted")
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={again}", *more]) == 0
+    assert _rows(workdir) == _rows(again)
+    with open(os.path.join(workdir, "summary.json")) as f:
+        assert json.load(f)["processes"] == 2
+
+
+def test_each_kind_of_failure_has_its_status(tmp_path, capsys, monkeypatch):
+    w = str(tmp_path / "w")
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.max_train_loss=0.01"]) == 3
+    # Nothing was kept, so the same command runs again (and diverges again).
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.max_train_loss=0.01"]) == 3
+    from fedjax_pan import experiment
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("an unforeseen bug")
+    monkeypatch.setattr(experiment, "run", boom)
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={tmp_path / 'x'}"]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("error:") for line in lines)
+    assert "diverged in round 1" in lines[0]
+    log = re.search(r"traceback in (\S+)\)$", lines[2]).group(1)
+    assert "an unforeseen bug" in lines[2] and "Traceback" in open(log).read()
+    os.unlink(log)
+
+
+def test_unknown_override_keys_name_the_valid_ones(tmp_path, capsys):
+    for key in ("nonexistent", "optimizer.momentun", "model.options.hidden"):
+        assert main.main(["prog", *SYNTHETIC, f"--workdir={tmp_path}/w",
+                          f"--config.{key}=1"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3
+    assert "'nonexistent'; valid keys at the top level: seed, rounds" in lines[0]
+    assert "did you mean optimizer.momentum?" in lines[1]
+    assert "model.options has no key 'hidden'" in lines[2]
+    assert not (tmp_path / "w").exists()

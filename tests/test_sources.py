@@ -193,6 +193,27 @@ def test_load_from_env_dirs(tmp_path, monkeypatch):
     assert_matches_idx(sources.load("fashion_mnist"), arrays)
 
 
+def test_an_env_dir_without_idx_files_names_the_variable(tmp_path, monkeypatch):
+    for where, says in ((tmp_path / "missing", "is not a directory"),
+                        (tmp_path, "holds no fashion_mnist IDX files")):
+        monkeypatch.setenv("FEDJAX_PAN_FASHION_MNIST_DIR", str(where))
+        with pytest.raises(DataError) as info:
+            sources.load("fashion_mnist")
+        message = str(info.value)
+        assert f"$FEDJAX_PAN_FASHION_MNIST_DIR={where} {says}" in message, message
+        assert "train-images-idx3-ubyte[.gz]" in message and "TFDS" not in message
+
+
+def test_no_default_dir_says_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.delenv("FEDJAX_PAN_FASHION_MNIST_DIR", raising=False)
+    monkeypatch.setattr(sources, "FASHION_MNIST_DEFAULT_DIR", str(tmp_path / "none"))
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+    with pytest.raises(DataError, match=r"no IDX files in .*none \(install the Debian "
+                                        r"package dataset-fashion-mnist\) and "
+                                        r"\$FEDJAX_PAN_FASHION_MNIST_DIR is not set; TFDS: "):
+        sources.load("fashion_mnist")
+
+
 def test_load_corrupt_file_names_it(tmp_path):
     write_idx_set(tmp_path, small_idx_arrays(), gz=True)
     bad = tmp_path / "t10k-labels-idx1-ubyte.gz"

@@ -280,14 +280,36 @@ def load(name: str, *, data_dir: Optional[Union[str, os.PathLike]] = None) -> Da
     if name not in NORMALIZATION:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     data_dir = None if data_dir is None else os.fspath(data_dir)
+    searched = None
     if name in _ENV_DIRS:
-        idx_dir = data_dir or os.environ.get(_ENV_DIRS[name]) or (
-            FASHION_MNIST_DEFAULT_DIR if name == "fashion_mnist" else None)
+        var = _ENV_DIRS[name]
+        if data_dir is None and os.environ.get(var):
+            # An explicit choice: report it, never fall back silently to another source.
+            env_dir = os.environ[var]
+            expected = ", ".join(f"{stem}[.gz]" for stem in _IDX_FILES.values())
+            if not os.path.isdir(env_dir):
+                raise DataError(f"${var}={env_dir} is not a directory; point it at the "
+                                f"{name} IDX files ({expected}) or unset it")
+            files = _find_idx_files(env_dir)
+            if files is None:
+                raise DataError(f"${var}={env_dir} holds no {name} IDX files (expected "
+                                f"{expected}); point it at them or unset it")
+            return _load_idx(name, files)
+        idx_dir = data_dir or (FASHION_MNIST_DEFAULT_DIR if name == "fashion_mnist" else None)
         if idx_dir is not None:
             files = _find_idx_files(idx_dir)
             if files is not None:
                 return _load_idx(name, files)
-    return _load_tfds(name, data_dir)
+            searched = (f"no IDX files in {idx_dir}" + (
+                " (install the Debian package dataset-fashion-mnist)"
+                if idx_dir == FASHION_MNIST_DEFAULT_DIR else "") +
+                f" and ${var} is not set")
+    try:
+        return _load_tfds(name, data_dir)
+    except DataError as e:
+        if searched is None:
+            raise
+        raise DataError(f"{name}: {searched}; TFDS: {e}") from e
 
 
 def normalize(images: Any, name_or_stats: Union[str, Stats, Sequence[Sequence[float]]]) -> Any:

@@ -1,0 +1,218 @@
+"""What every config value may be: one rule per dotted key, checked before anything runs.
+
+`validate(cfg)` walks every leaf of a run config. A leaf without a rule is an unknown key,
+reported with the valid keys nearest to it; a value its rule rejects is reported with its
+key, the value and the valid range. Rules are data: a new option adds one entry to `RULES`.
+Checks that need the loaded data (e.g. `partition.num_clients` against the number of
+examples) live where the data is, in `experiment.build`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import ml_collections
+
+from fedjax_pan import models
+from fedjax_pan.algorithms.fedavg import BN_MODES
+from fedjax_pan.algorithms.local import WARMUPS
+from fedjax_pan.algorithms.registry import ALGORITHMS, SERVER_OPTIMIZERS
+from fedjax_pan.data.partition import SCHEMES
+from fedjax_pan.data.sources import DATASETS
+from fedjax_pan.engine.clients import STEP_MODES
+from fedjax_pan.engine.execution import STRATEGIES
+from fedjax_pan.engine.simulation import AGGREGATIONS
+from fedjax_pan.errors import ConfigError
+from fedjax_pan.models.layers import parse_norm
+from fedjax_pan.pan import KINDS
+
+# Keys holding free-form mappings, checked by their consumer (model constructors, variants).
+OPAQUE = ("model.options", "variants")
+SEED_MAX = 2**32 - 1  # numpy's SeedSequence and jax.random.PRNGKey both take uint32 seeds
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """`check(value)` returns None when valid, else what the value must be."""
+
+    check: Callable[[Any], Optional[str]]
+    optional: bool = False  # None (an unset placeholder) is allowed
+
+
+def _number(value: Any, integer: bool) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "a number"
+    if integer and not float(value).is_integer():
+        return "an integer"
+    if not math.isfinite(value):
+        return "finite"
+    return None
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def between(lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False,
+            hi_open: bool = False, integer: bool = False, optional: bool = False) -> Rule:
+    """A finite number in [lo, hi] (open ends where asked), optionally an integer."""
+    lb = "(" if lo_open else "["
+    rb = ")" if hi_open else "]"
+    kind = "an integer" if integer else "a number"
+    if lo is not None and hi is not None:
+        want = f"{kind} in {lb}{_fmt(lo)}, {_fmt(hi)}{rb}"
+    elif lo is not None:
+        want = f"{kind} {'>' if lo_open else '>='} {_fmt(lo)}"
+    else:
+        want = f"{kind} {'<' if hi_open else '<='} {_fmt(hi)}"
+
+    def check(value):
+        if _number(value, integer):
+            return want
+        if lo is not None and (value <= lo if lo_open else value < lo):
+            return want
+        if hi is not None and (value >= hi if hi_open else value > hi):
+            return want
+        return None
+    return Rule(check, optional)
+
+
+def one_of(options: Sequence[str], optional: bool = False) -> Rule:
+    return Rule(lambda v: None if v in options else f"one of {', '.join(map(str, options))}",
+                optional)
+
+
+def _norm(value: Any) -> Optional[str]:
+    try:
+        parse_norm(value)
+    except ValueError:
+        return "'none', 'batch', 'group' or 'group(G)' with G >= 1"
+    return None
+
+
+def _directory(value: Any) -> Optional[str]:
+    return None if os.path.isdir(os.path.expanduser(str(value))) else "an existing directory"
+
+
+def _bool(value: Any) -> Optional[str]:
+    return None if isinstance(value, bool) else "true or false"
+
+
+RULES: Dict[str, Rule] = {
+    "seed": between(0, SEED_MAX, integer=True),
+    "rounds": between(1, integer=True),
+    "participation": between(0, 1, lo_open=True),
+    "algorithm": one_of(tuple(ALGORITHMS)),
+    "dataset.name": one_of(DATASETS + ("synthetic",)),
+    "dataset.data_dir": Rule(_directory, optional=True),
+    "dataset.train_limit": between(1, integer=True, optional=True),
+    "model.name": one_of(models.NAMES),
+    "model.norm": Rule(_norm, optional=True),
+    "pan.kind": one_of(KINDS),
+    "pan.period": between(0),
+    "pan.amplitude": between(0),
+    "pan.ratio": between(0, 1),
+    "partition.scheme": one_of(SCHEMES),
+    "partition.num_clients": between(1, integer=True),
+    "partition.alpha": between(0, lo_open=True, optional=True),
+    "partition.classes_per_client": between(1, integer=True, optional=True),
+    "partition.min_size": between(1, integer=True, optional=True),
+    "partition.balance": Rule(_bool),
+    "local.epochs": between(0, lo_open=True),
+    "local.batch_size": between(1, integer=True),
+    "local.mode": one_of(STEP_MODES),
+    "local.local_steps": between(1, integer=True, optional=True),
+    "optimizer.lr": between(0, lo_open=True),
+    "optimizer.momentum": between(0, 1, hi_open=True),
+    "optimizer.weight_decay": between(0),
+    "optimizer.grad_clip": between(0),
+    "optimizer.warmup": one_of(WARMUPS),
+    "optimizer.warmup_length": between(0, integer=True),
+    "server.optimizer": one_of(SERVER_OPTIMIZERS),
+    "server.lr": between(0, lo_open=True),
+    "server.momentum": between(0, 1, hi_open=True),
+    "aggregation.weights": one_of(AGGREGATIONS),
+    "aggregation.bn": one_of(BN_MODES),
+    "execution.strategy": one_of(STRATEGIES),
+    "execution.group_size": between(1, integer=True, optional=True),
+    "eval.every": between(1, integer=True),
+    "eval.batch_size": between(1, integer=True),
+    "eval.local": Rule(_bool),
+    "shuffle.n_sf": between(0),
+    "shuffle.p_sf": between(0, 1),
+    "shuffle.window": between(0, 1, lo_open=True, optional=True),
+    "checkpoint_every": between(1, integer=True),
+    "max_train_loss": between(0, lo_open=True),
+}
+
+
+def leaves(cfg: ml_collections.ConfigDict, prefix: str = "") -> Iterator[Tuple[str, Any]]:
+    """(dotted key, value) for every leaf; opaque mappings count as one leaf."""
+    for key, value in cfg.items():
+        name = prefix + key
+        if isinstance(value, ml_collections.ConfigDict) and name not in OPAQUE:
+            yield from leaves(value, name + ".")
+        else:
+            yield name, value
+
+
+def unknown_key(key: str, valid: Sequence[str]) -> str:
+    """'unknown config key ...' naming the valid keys nearest to `key`."""
+    key = key.removeprefix("config.")
+    parent = key.rpartition(".")[0]
+    siblings = [k.rpartition(".")[2] for k in valid if k.rpartition(".")[0] == parent]
+    near = difflib.get_close_matches(key.rpartition(".")[2], siblings, n=2, cutoff=0.7)
+    near = [f"{parent}.{k}" if parent else k for k in near]
+    if not siblings:  # a misspelt section: compare whole keys
+        near = difflib.get_close_matches(key, list(valid), n=2, cutoff=0.8)
+    if near:
+        return f"unknown config key {key!r}; did you mean {' or '.join(near)}?"
+    if not parent:
+        siblings += sorted({k.split(".")[0] for k in valid if "." in k})
+    if siblings:
+        where = f"under {parent}" if parent else "at the top level"
+        return f"unknown config key {key!r}; valid keys {where}: {', '.join(siblings)}"
+    sections = sorted({k.split(".")[0] for k in valid})
+    return f"unknown config key {key!r}; valid sections: {', '.join(sections)}"
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError naming the first invalid or unknown key; touches no file."""
+    for key, value in leaves(cfg):
+        if key in OPAQUE:
+            continue
+        rule = RULES.get(key)
+        if rule is None:
+            raise ConfigError(unknown_key(key, list(RULES)))
+        if value is None and rule.optional:
+            continue
+        want = "set" if value is None else rule.check(value)
+        if want is not None:
+            raise ConfigError(f"config.{key} must be {want}, got {value!r}")
+    _cross_checks(cfg)
+
+
+def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
+    def need(cond: bool, message: str) -> None:
+        if not cond:
+            raise ConfigError(message)
+
+    p = cfg.partition
+    need(not p.scheme.startswith("dirichlet") or p.alpha is not None,
+         f"config.partition.alpha must be set for partition.scheme={p.scheme!r}")
+    need(p.scheme != "pathological" or p.classes_per_client is not None,
+         "config.partition.classes_per_client must be set for partition.scheme='pathological'")
+    need(cfg.local.mode != "steps" or cfg.local.local_steps is not None,
+         "config.local.local_steps must be set for local.mode='steps'")
+    for name, overrides in (cfg.get("variants") or {}).items():
+        need(isinstance(overrides, (dict, ml_collections.ConfigDict)),
+             f"config.variants.{name} must map config keys to values, got {overrides!r}")
+
+
+def known_keys() -> List[str]:
+    """Every dotted key a run config may hold."""
+    return list(RULES) + list(OPAQUE)

@@ -1,0 +1,333 @@
+"""Workdirs that lose nothing: checks before any write, atomic files, verified checkpoints.
+
+A run first `check`s its workdir without writing to it (refusals cost no data loading),
+then `claim`s it: with `overwrite`, the old contents are moved aside and deleted only once
+the new run has finished, or put back if it failed before completing a round. Files are
+written whole or not at all (`write_atomic`); checkpoints carry a digest of their arrays
+and the run's counters, so a corrupt one is reported instead of restored, and a resumed
+run's summary covers all of its processes. Filesystem faults surface as one-line
+`WorkdirError`s (`writing`), and SIGINT/SIGTERM wait until a round's files are written
+(`deferred_interrupts`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import glob
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import tempfile
+import uuid
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import jax
+import numpy as np
+
+from fedjax_pan.errors import ConfigError, Interrupted, RunError, WorkdirError
+
+CHECKPOINTS = "checkpoints"
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")  # how tensorstore reports errno
+
+
+# ----------------------------------------------------------------------------------------
+# Faults.
+# ----------------------------------------------------------------------------------------
+
+def as_os_error(e: BaseException) -> Optional[OSError]:
+    """`e` as an OSError when it is a filesystem fault (also tensorstore's ValueErrors)."""
+    if isinstance(e, OSError):
+        return e
+    text = str(e)
+    m = _OS_ERROR_CODE.search(text)
+    if m:
+        code = int(m.group(1))
+        return OSError(code, os.strerror(code))
+    if "RESOURCE_EXHAUSTED" in text or "No space left" in text:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if "Read-only file system" in text:
+        return OSError(errno.EROFS, os.strerror(errno.EROFS))
+    return None
+
+
+@contextlib.contextmanager
+def writing(what: str, safe: Callable[[], str]) -> Iterator[None]:
+    """Turns a filesystem fault inside the block into a one-line WorkdirError.
+
+    `what` names what was being written; `safe()` says what the workdir still holds.
+    """
+    try:
+        yield
+    except RunError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only filesystem faults are converted
+        err = as_os_error(e)
+        if err is None:
+            raise
+        reason = err.strerror or str(err)
+        where = f" ({err.filename})" if getattr(err, "filename", None) else ""
+        raise WorkdirError(f"cannot write {what}: {reason}{where}; {safe()}") from e
+
+
+def write_atomic(path: str, text: str) -> None:
+    """Writes `text` to `path` whole or not at all (a full disk leaves the old file intact)."""
+    directory, name = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "x") as f:  # unlike mkstemp, honours the umask
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class _Signalled(KeyboardInterrupt):
+    """A signal as an exception; a KeyboardInterrupt so SIGINT and SIGTERM unwind alike."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def signal_number(e: BaseException) -> int:
+    return getattr(e, "signum", signal.SIGINT)
+
+
+def raise_on_sigterm() -> None:
+    """Makes SIGTERM unwind like Ctrl-C (only the main thread can install handlers)."""
+    def handler(signum, frame):
+        raise _Signalled(signum)
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGTERM, handler)
+
+
+@contextlib.contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """SIGINT/SIGTERM inside the block take effect when it ends, so its writes complete."""
+    pending: List[int] = []
+
+    def handler(signum, frame):
+        pending.append(signum)
+    try:
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    except ValueError:  # not the main thread: nothing to defer
+        yield
+        return
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if pending:
+        raise _Signalled(pending[0])
+
+
+def interrupted(e: BaseException, message: str) -> Interrupted:
+    return Interrupted(message, signal_number(e))
+
+
+# ----------------------------------------------------------------------------------------
+# Checking and claiming a workdir.
+# ----------------------------------------------------------------------------------------
+
+def saved_rounds(workdir: str) -> List[int]:
+    """Rounds with a finished checkpoint in `workdir` (orbax names them by step)."""
+    directory = os.path.join(workdir, CHECKPOINTS)
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def read_config(workdir: str) -> Dict[str, Any]:
+    path = os.path.join(workdir, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read {path} to resume ({e}); start again with --overwrite "
+                          "or another --workdir") from None
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check(workdir: str, *, resume: bool, overwrite: bool) -> None:
+    """Everything about the workdir request that can fail, checked without writing to it."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    if os.path.exists(workdir) and not os.path.isdir(workdir):
+        raise ConfigError(f"workdir {workdir!r} exists and is not a directory")
+    exists = os.path.isdir(workdir) and bool(os.listdir(workdir))
+    if resume and not os.path.isfile(os.path.join(workdir, "config.json")):
+        raise ConfigError(f"nothing to resume in {workdir!r} (no config.json)")
+    if exists and not (resume or overwrite):
+        raise ConfigError(f"workdir {workdir!r} is not empty; pass --resume to continue "
+                          "or --overwrite to replace it")
+    # Probe the place the run will write (or create) with a file that is removed at once.
+    probe_dir = _nearest_existing(os.path.dirname(os.path.abspath(workdir)) if overwrite and
+                                  exists else workdir)
+    try:
+        fd, probe = tempfile.mkstemp(dir=probe_dir, prefix=".fedjax_pan-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise WorkdirError(f"cannot write workdir {workdir!r}: {e.strerror or e} (in "
+                           f"{probe_dir}); nothing was written") from None
+
+
+def _made_progress(workdir: str) -> bool:
+    pattern = os.path.join(glob.escape(workdir), "**", CHECKPOINTS, "[0-9]*")
+    return any(os.path.isdir(p) for p in glob.glob(pattern, recursive=True))
+
+
+@contextlib.contextmanager
+def claim(workdir: str, *, overwrite: bool = False, resume: bool = False) -> Iterator[None]:
+    """Creates `workdir` for a run; a run that fails before saving a round leaves no trace.
+
+    With `overwrite`, the old contents are moved aside and deleted only if the run succeeds;
+    a failure before any round was saved puts them back, a later one keeps them aside (the
+    error says where). A fresh run that fails before saving a round removes what it wrote,
+    so the same command can simply be run again.
+    """
+    aside = None
+    existed = os.path.isdir(workdir)
+    with writing(f"workdir {workdir!r}", lambda: "nothing was changed"):
+        if overwrite and existed and os.listdir(workdir):
+            parent, name = os.path.split(os.path.abspath(workdir))
+            aside = tempfile.mkdtemp(dir=parent, prefix=f".{name}.replaced-")
+            os.rmdir(aside)
+            os.rename(workdir, aside)
+            existed = False
+        os.makedirs(workdir, exist_ok=True)
+    try:
+        yield
+    except BaseException as e:
+        if resume or _made_progress(workdir):
+            if aside is not None:
+                _note(e, f"the results it was replacing are kept in {aside}")
+        else:  # nothing of this run is worth keeping: leave the workdir as it was
+            if existed:
+                for entry in os.listdir(workdir):
+                    path = os.path.join(workdir, entry)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
+            if aside is not None:
+                os.rename(aside, workdir)
+                _note(e, f"{workdir} holds its earlier results, unchanged")
+        raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def _note(e: BaseException, text: str) -> None:
+    if isinstance(e, RunError):
+        e.add(text)
+    elif hasattr(e, "add_note"):
+        e.add_note(text)
+
+
+# ----------------------------------------------------------------------------------------
+# Checkpoints.
+# ----------------------------------------------------------------------------------------
+
+def digest(leaves: List[Any]) -> str:
+    """sha256 over each array's dtype, shape and bytes, in order."""
+    h = hashlib.sha256()
+    for x in leaves:
+        a = np.asarray(x)
+        h.update(f"{a.dtype.str}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _quiet_absl() -> Iterator[None]:
+    # orbax logs each failed background write with a traceback before raising it once;
+    # the caller reports that one error in one line.
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class Checkpoints:
+    """Orbax checkpoints of a pytree, each with its digest and the run's counters."""
+
+    def __init__(self, workdir: str, max_to_keep: int = 2):
+        import orbax.checkpoint as ocp  # slow import, needed only when running
+        self.ocp = ocp
+        self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
+                                               enable_async_checkpointing=False,
+                                               cleanup_tmp_directories=True)
+        with _quiet_absl():
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest(self) -> Optional[int]:
+        return self.manager.latest_step()
+
+    def save(self, step: int, tree: Any, counters: Dict[str, Any]) -> None:
+        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+        meta = {"round": step, "digest": digest(leaves), "counters": counters}
+        args = self.ocp.args.Composite(
+            state=self.ocp.args.StandardSave({f"{i:05d}": x for i, x in enumerate(leaves)}),
+            meta=self.ocp.args.JsonSave(meta))
+        try:
+            with _quiet_absl():
+                self.manager.save(step, args=args, force=True)
+                self.manager.wait_until_finished()
+        except BaseException:
+            self._drop_partial()
+            raise
+
+    def _drop_partial(self) -> None:
+        # A failed save leaves a temporary directory; free its space now.
+        for p in glob.glob(os.path.join(glob.escape(self.directory), "*orbax-checkpoint-tmp*")):
+            shutil.rmtree(p, ignore_errors=True)
+
+    def restore(self, step: int, template: Any) -> Tuple[Any, Dict[str, Any]]:
+        """The tree saved at `step` (shaped like `template`) and its counters.
+
+        Raises WorkdirError when the checkpoint cannot be read or its digest differs.
+        """
+        leaves, treedef = jax.tree_util.tree_flatten(template)
+        target = {f"{i:05d}": x for i, x in enumerate(leaves)}
+        path = os.path.join(self.directory, str(step))
+        earlier = [s for s in self.manager.all_steps() if s < step]
+        advice = (f"delete {path} to resume from round {max(earlier)}" if earlier else
+                  "start again with --overwrite")
+        try:
+            with _quiet_absl():
+                restored = self.manager.restore(step, args=self.ocp.args.Composite(
+                    state=self.ocp.args.StandardRestore(target),
+                    meta=self.ocp.args.JsonRestore()))
+            meta = restored["meta"]
+            values = [np.asarray(restored["state"][k]) for k in sorted(target)]
+        except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+            detail = " ".join(str(e).split())[:200]
+            raise WorkdirError(f"checkpoint {path} cannot be read ({type(e).__name__}: "
+                               f"{detail}); {advice}") from None
+        if meta.get("digest") != digest(values):
+            raise WorkdirError(f"checkpoint {path} is corrupt (its arrays do not match the "
+                               f"digest saved with them); {advice}")
+        return jax.tree_util.tree_unflatten(treedef, values), dict(meta.get("counters", {}))
+
+    def close(self) -> None:
+        self.manager.close()

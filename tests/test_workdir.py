@@ -1,0 +1,199 @@
+"""Workdirs: refusals before writes, atomic files, overwrite that loses nothing, checkpoints."""
+
+import errno
+import os
+import signal
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pan import workdir as wd
+from fedjax_pan.errors import ConfigError, WorkdirError
+
+# What tensorstore raised for a full tmpfs while orbax wrote a checkpoint (trimmed).
+TENSORSTORE_ENOSPC = ('RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database at local file '
+                      '"/mnt/ck/2.orbax-checkpoint-tmp/": Failed to write 6914048 bytes to file '
+                      "14: No space left on device [os_error_code='28']")
+
+
+def test_filesystem_faults_are_recognised_in_tensorstore_messages():
+    assert wd.as_os_error(ValueError(TENSORSTORE_ENOSPC)).errno == errno.ENOSPC
+    assert wd.as_os_error(ValueError("... [os_error_code=30]")).errno == errno.EROFS
+    assert wd.as_os_error(OSError(errno.EIO, "x")).errno == errno.EIO
+    assert wd.as_os_error(ValueError("shapes do not match")) is None
+
+
+def test_writing_turns_faults_into_one_line_and_lets_bugs_through():
+    with pytest.raises(WorkdirError, match="cannot write the summary: No space left on device"
+                                           "; rounds 1-3 are safe"):
+        with wd.writing("the summary", lambda: "rounds 1-3 are safe"):
+            raise ValueError(TENSORSTORE_ENOSPC)
+    with pytest.raises(KeyError):
+        with wd.writing("the summary", lambda: ""):
+            raise KeyError("a bug, not a fault")
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file(tmp_path, monkeypatch):
+    path = tmp_path / "summary.json"
+    wd.write_atomic(str(path), "old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError):
+        wd.write_atomic(str(path), "new and longer")
+    assert path.read_text() == "old"
+    assert os.listdir(tmp_path) == ["summary.json"]  # no temporary file left behind
+    monkeypatch.undo()
+    wd.write_atomic(str(path), "new")
+    assert path.read_text() == "new"
+    assert oct(path.stat().st_mode & 0o777) == oct(0o666 & ~_umask())
+
+
+def _umask():
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_check_refuses_without_writing(tmp_path, monkeypatch):
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "notes.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="not empty"):
+        wd.check(str(tmp_path / "w"), resume=False, overwrite=False)
+    with pytest.raises(ConfigError, match="exclude each other"):
+        wd.check(str(tmp_path / "w"), resume=True, overwrite=True)
+    with pytest.raises(ConfigError, match="nothing to resume"):
+        wd.check(str(tmp_path / "w"), resume=True, overwrite=False)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="not a directory"):
+        wd.check(str(tmp_path / "file"), resume=False, overwrite=False)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+    monkeypatch.setattr(wd.tempfile, "mkstemp", read_only)
+    with pytest.raises(WorkdirError, match="cannot write workdir .*Read-only file system.*"
+                                           "nothing was written"):
+        wd.check(str(tmp_path / "new" / "deeper"), resume=False, overwrite=False)
+    assert sorted(os.listdir(tmp_path)) == ["file", "w"]
+    assert (tmp_path / "w" / "notes.txt").read_text() == "keep"
+
+
+def _old_run(path):
+    path.mkdir()
+    (path / "summary.json").write_text("old results")
+
+
+def test_overwrite_replaces_only_on_success(tmp_path):
+    w = tmp_path / "w"
+    _old_run(w)
+    with wd.claim(str(w), overwrite=True):
+        assert os.listdir(w) == []
+        (w / "summary.json").write_text("new results")
+    assert (w / "summary.json").read_text() == "new results"
+    assert os.listdir(tmp_path) == ["w"]  # the old results were deleted
+
+
+def test_overwrite_that_fails_before_a_round_puts_the_old_results_back(tmp_path):
+    w = tmp_path / "w"
+    _old_run(w)
+    with pytest.raises(WorkdirError, match="disk full; .*holds its earlier results, unchanged"):
+        with wd.claim(str(w), overwrite=True):
+            (w / "config.json").write_text("{}")
+            raise WorkdirError("disk full")
+    assert os.listdir(w) == ["summary.json"] and os.listdir(tmp_path) == ["w"]
+    assert (w / "summary.json").read_text() == "old results"
+
+
+def test_a_fresh_run_that_fails_before_a_round_leaves_no_trace(tmp_path):
+    for w, existed in ((tmp_path / "new", False), (tmp_path / "empty", True)):
+        if existed:
+            w.mkdir()
+        with pytest.raises(WorkdirError):
+            with wd.claim(str(w)):
+                (w / "checkpoints").mkdir()
+                (w / "config.json").write_text("{}")
+                raise WorkdirError("disk full")
+        assert w.exists() == existed and (not existed or os.listdir(w) == [])
+    # A resumed run keeps what was there, progress or not.
+    w = tmp_path / "resumed"
+    w.mkdir()
+    (w / "config.json").write_text("{}")
+    with pytest.raises(KeyboardInterrupt):
+        with wd.claim(str(w), resume=True):
+            raise KeyboardInterrupt
+    assert os.listdir(w) == ["config.json"]
+
+
+def test_overwrite_that_fails_after_a_round_keeps_both(tmp_path):
+    w = tmp_path / "w"
+    _old_run(w)
+    with pytest.raises(KeyboardInterrupt) as info:
+        with wd.claim(str(w), overwrite=True):
+            (w / "checkpoints" / "3").mkdir(parents=True)
+            raise KeyboardInterrupt
+    aside = [d for d in os.listdir(tmp_path) if d != "w"]
+    assert len(aside) == 1 and aside[0].startswith(".w.replaced-")
+    assert (tmp_path / aside[0] / "summary.json").read_text() == "old results"
+    assert aside[0] in " ".join(info.value.__notes__)
+    assert os.listdir(w / "checkpoints") == ["3"]
+
+
+def test_checkpoints_round_trip_with_counters_and_catch_flipped_bytes(tmp_path):
+    tree = {"w": jnp.arange(64000, dtype=jnp.float32).reshape(80, 800), "step": jnp.int32(7)}
+    ck = wd.Checkpoints(str(tmp_path))
+    ck.save(2, tree, {"compiles": 5})
+    ck.save(4, tree, {"compiles": 9})
+    assert wd.saved_rounds(str(tmp_path)) == [2, 4] and ck.latest() == 4
+    restored, counters = ck.restore(4, tree)
+    np.testing.assert_array_equal(restored["w"], tree["w"])
+    assert counters == {"compiles": 9}
+    ck.close()
+    # Flip bytes in the largest data file of round 4: orbax reads it back without complaint,
+    # the digest does not match.
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "checkpoints" / "4")
+             for f in fs if os.sep + "d" + os.sep in os.path.join(d, f)]
+    big = max(files, key=os.path.getsize)
+    data = bytearray(open(big, "rb").read())
+    for i in range(len(data) // 2, len(data) // 2 + 16):
+        data[i] ^= 0xFF
+    open(big, "wb").write(bytes(data))
+    ck = wd.Checkpoints(str(tmp_path))
+    with pytest.raises(WorkdirError, match=r"checkpoints/4 .*corrupt.*delete .*checkpoints/4 "
+                                           r"to resume from round 2"):
+        ck.restore(4, tree)
+    restored, _ = ck.restore(2, tree)  # the earlier one is intact
+    np.testing.assert_array_equal(restored["w"], tree["w"])
+
+
+def test_a_failed_save_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    ck = wd.Checkpoints(str(tmp_path))
+    tree = {"w": jnp.ones((100, 100))}
+    ck.save(1, tree, {})
+    import orbax.checkpoint as ocp
+    real = ocp.CheckpointManager.save
+
+    def full_disk(self, step, *args, **kwargs):
+        os.makedirs(os.path.join(ck.directory, f"{step}.orbax-checkpoint-tmp-0"))
+        raise ValueError(TENSORSTORE_ENOSPC)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", full_disk)
+    with pytest.raises(ValueError):
+        ck.save(2, tree, {})
+    assert os.listdir(ck.directory) == ["1"]
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real)
+
+
+def test_signals_wait_for_the_end_of_a_deferred_block():
+    seen = []
+    with pytest.raises(KeyboardInterrupt) as info:
+        with wd.deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)
+            seen.append("the block finished")
+    assert seen == ["the block finished"]
+    assert wd.signal_number(info.value) == signal.SIGTERM
+    # Handlers are restored: SIGINT raises KeyboardInterrupt again at once.
+    with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(1000):
+            pass
