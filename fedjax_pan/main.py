@@ -63,6 +63,18 @@ def _unknown_override(argv: List[str]) -> Optional[str]:
     return None
 
 
+def _silence_stderr() -> None:
+    """After a run's one-line error, nothing else reaches stderr: tensorstore threads whose
+    writes failed (e.g. on a full disk) print tracebacks when they end, after the error."""
+    sys.stderr.flush()
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
 def _missing_key(argv: List[str], e: BaseException) -> str:
     name = str(e).strip("'\"").split("'")[0].split("\\")[0]
     for arg in argv[1:]:
@@ -130,4 +142,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        _silence_stderr()
+    sys.exit(code)

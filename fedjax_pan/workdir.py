@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -32,6 +33,7 @@ import numpy as np
 from fedjax_pan.errors import ConfigError, Interrupted, RunError, WorkdirError
 
 CHECKPOINTS = "checkpoints"
+_CHECKPOINT_OVERHEAD = 1 << 20  # bytes beyond the arrays: orbax metadata, OCDBT manifests
 _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")  # how tensorstore reports errno
 
 
@@ -267,6 +269,35 @@ def _quiet_absl() -> Iterator[None]:
         logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def _stderr_unless_failed() -> Iterator[None]:
+    # tensorstore threads print tracebacks straight to file descriptor 2 when their writes
+    # fail; the caller reports the failure in one line, so their output is kept only when
+    # the block succeeds.
+    try:
+        saved = os.dup(2)
+        buffer = tempfile.TemporaryFile()
+    except OSError:
+        yield
+        return
+    sys.stderr.flush()
+    os.dup2(buffer.fileno(), 2)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        if ok:
+            buffer.seek(0)
+            text = buffer.read()
+            if text:
+                sys.stderr.write(text.decode(errors="replace"))
+        buffer.close()
+
+
 class Checkpoints:
     """Orbax checkpoints of a pytree, each with its digest and the run's counters."""
 
@@ -284,13 +315,23 @@ class Checkpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, tree: Any, counters: Dict[str, Any]) -> None:
+        """Saves `tree` as round `step`; a full disk raises OSError(ENOSPC) (no partial save).
+
+        The free space is checked first: tensorstore's pending writes report a full disk
+        from background threads after the error, printing tracebacks no caller can catch.
+        """
         leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+        needed = sum(x.nbytes for x in leaves) + _CHECKPOINT_OVERHEAD
+        free = shutil.disk_usage(self.directory).free
+        if free < needed:
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({needed / 2**20:.1f} "
+                          f"MiB needed, {free / 2**20:.1f} MiB free)")
         meta = {"round": step, "digest": digest(leaves), "counters": counters}
         args = self.ocp.args.Composite(
             state=self.ocp.args.StandardSave({f"{i:05d}": x for i, x in enumerate(leaves)}),
             meta=self.ocp.args.JsonSave(meta))
         try:
-            with _quiet_absl():
+            with _quiet_absl(), _stderr_unless_failed():
                 self.manager.save(step, args=args, force=True)
                 self.manager.wait_until_finished()
         except BaseException:

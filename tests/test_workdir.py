@@ -2,6 +2,7 @@
 
 import errno
 import os
+import shutil
 import signal
 
 import jax.numpy as jnp
@@ -197,3 +198,26 @@ def test_signals_wait_for_the_end_of_a_deferred_block():
         os.kill(os.getpid(), signal.SIGINT)
         for _ in range(1000):
             pass
+
+
+def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
+    ck = wd.Checkpoints(str(tmp_path))
+    tree = {"w": jnp.ones((512, 512))}  # 1 MiB of float32
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(wd.shutil, "disk_usage",
+                        lambda p: usage._replace(free=(1 << 20) + (1 << 19)))
+    with pytest.raises(OSError, match=r"No space left on device \(2.0 MiB needed, 1.5 MiB "
+                                      r"free\)") as info:
+        ck.save(1, tree, {})
+    assert info.value.errno == errno.ENOSPC and os.listdir(ck.directory) == []
+
+
+def test_stderr_of_a_failed_block_is_dropped_and_of_a_good_one_kept(capfd):
+    with pytest.raises(ValueError):
+        with wd._stderr_unless_failed():
+            os.write(2, b"Traceback from a dying writer thread\n")
+            raise ValueError("disk full")
+    with wd._stderr_unless_failed():
+        os.write(2, b"a warning worth seeing\n")
+    err = capfd.readouterr().err
+    assert "dying writer" not in err and "a warning worth seeing" in err
