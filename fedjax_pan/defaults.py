@@ -7,6 +7,8 @@ command line, e.g. `--config.partition.min_size=10`.
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from fedjax_pan.algorithms.registry import ALGORITHMS
+
 
 def default_config() -> ml_collections.ConfigDict:
     """FedAvg, MLP on Fashion-MNIST, K=100, R=0.1, E=5, B=64, Dirichlet(0.1), PANx T=1 A=0.1."""
@@ -31,7 +33,10 @@ def default_config() -> ml_collections.ConfigDict:
         "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-5, "grad_clip": 100.0,
         "warmup": "rounds", "warmup_length": 10})
     c.server = ml_collections.ConfigDict({"optimizer": "sgd", "lr": 1.0, "momentum": 0.0})
-    c.aggregation = ml_collections.ConfigDict({"weights": "uniform", "bn": "mean"})
+    # rule: 'mean' (weighted by `weights`), or robust 'median' / 'trimmed_mean' (cut `trim`
+    # of the clients at each end, per coordinate).
+    c.aggregation = ml_collections.ConfigDict({"weights": "uniform", "bn": "mean",
+                                               "rule": "mean", "trim": 0.1})
     c.execution = ml_collections.ConfigDict({"strategy": "auto",
                                              "group_size": placeholder(int)})
     # local: also log each client's expected accuracy on a test set with its label mix.
@@ -42,5 +47,9 @@ def default_config() -> ml_collections.ConfigDict:
     # A round whose mean training loss exceeds this stops the run as diverged (cross-entropy
     # of a uniform guess is ln C, 2.3 for 10 classes; the paper's runs stay below 3).
     c.max_train_loss = 100.0
+    # Each algorithm's own options, e.g. config.fedprox.mu (see algorithms/registry.py).
+    for name, entry in ALGORITHMS.items():
+        if entry.options:
+            c[name] = ml_collections.ConfigDict(entry.options)
     c.variants = ml_collections.ConfigDict()
     return c

@@ -17,6 +17,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -84,6 +85,23 @@ def _load_dataset(cfg: ml_collections.ConfigDict,
     return ds
 
 
+def _normalized(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset,
+                cache: Optional[Dict[Any, Any]]) -> Any:
+    """Normalised float32 train and test images on the device, shared through `cache` by
+    every variant on the same data (a sweep holds one copy, not one per run)."""
+    d = cfg.dataset
+    key = ("normalized", d.name, d.data_dir, d.train_limit, cfg.seed)
+    if cache is not None and key in cache:
+        return cache[key]
+    stats = data_lib.NORMALIZATION.get(ds.name)
+    train_x = ds.train_images if stats is None else data_lib.normalize(ds.train_images, stats)
+    test_x = ds.test_images if stats is None else data_lib.normalize(ds.test_images, stats)
+    arrays = (jnp.asarray(train_x, jnp.float32), jnp.asarray(test_x, jnp.float32))
+    if cache is not None:
+        cache[key] = arrays
+    return arrays
+
+
 def build(cfg: ml_collections.ConfigDict,
           cache: Optional[Dict[Any, data_lib.Dataset]] = None) -> Experiment:
     """Everything a run needs, from a config (validated here); `cache` shares loaded data."""
@@ -107,13 +125,14 @@ def build(cfg: ml_collections.ConfigDict,
     except (TypeError, ValueError) as e:
         raise ConfigError(f"config.model.options {cfg.model.options.to_dict()}: {e}") from None
     variables = models.init(model, jax.random.PRNGKey(cfg.seed), ds.input_shape)
-    stats = data_lib.NORMALIZATION.get(ds.name)
-    train_x = ds.train_images if stats is None else data_lib.normalize(ds.train_images, stats)
-    test_x = ds.test_images if stats is None else data_lib.normalize(ds.test_images, stats)
-    client_data = ClientData.create(train_x, ds.train_labels, parts)
+    train_x, test_x = _normalized(cfg, ds, cache)
+    client_data = ClientData.create(train_x, ds.train_labels, parts, ds.num_classes)
     work = LocalWork(cfg.local.batch_size, cfg.local.epochs, cfg.local.mode,
                      cfg.local.local_steps)
-    algorithm = algorithms.from_config(model, cfg)
+    try:
+        algorithm = algorithms.from_config(model, cfg)
+    except ValueError as e:
+        raise ConfigError(f"config.{cfg.algorithm}: {e}") from None
     if cfg.shuffle.n_sf > 0:
         spec = permutation.spec_for(model, variables)
         algorithm = with_shuffling(algorithm, spec, cfg.shuffle.p_sf, cfg.shuffle.n_sf,
@@ -304,8 +323,10 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                 row = None
                 if r % cfg.eval.every == 0 or r == cfg.rounds:
                     ev = exp.evaluate(exp.simulation.algorithm.eval_variables(new_state.server))
+                    # The algorithm's own metrics (train_*) follow the engine's.
                     row = {"round": r, "test_accuracy": ev["accuracy"], "test_loss": ev["loss"],
-                           "train_loss": loss, "seconds": time.time() - t0}
+                           **{k: v for k, v in stats.items() if k.startswith("train_")},
+                           "seconds": time.time() - t0}
                     if cfg.eval.local:
                         local_acc = label_mix @ ev["class_accuracy"]
                         row.update(local_test_accuracy_mean=float(local_acc.mean()),

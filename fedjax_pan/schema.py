@@ -9,18 +9,15 @@ examples) live where the data is, in `experiment.build`.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import math
-import os
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import ml_collections
 
 from fedjax_pan import models
 from fedjax_pan.algorithms.fedavg import BN_MODES
 from fedjax_pan.algorithms.local import WARMUPS
-from fedjax_pan.algorithms.registry import ALGORITHMS, SERVER_OPTIMIZERS
+from fedjax_pan.algorithms.registry import AGGREGATION_RULES, ALGORITHMS, SERVER_OPTIMIZERS
 from fedjax_pan.data.partition import SCHEMES
 from fedjax_pan.data.sources import DATASETS
 from fedjax_pan.engine.clients import STEP_MODES
@@ -29,61 +26,11 @@ from fedjax_pan.engine.simulation import AGGREGATIONS
 from fedjax_pan.errors import ConfigError
 from fedjax_pan.models.layers import parse_norm
 from fedjax_pan.pan import KINDS
+from fedjax_pan.rules import Rule, between, boolean, directory, one_of
 
 # Keys holding free-form mappings, checked by their consumer (model constructors, variants).
 OPAQUE = ("model.options", "variants")
 SEED_MAX = 2**32 - 1  # numpy's SeedSequence and jax.random.PRNGKey both take uint32 seeds
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """`check(value)` returns None when valid, else what the value must be."""
-
-    check: Callable[[Any], Optional[str]]
-    optional: bool = False  # None (an unset placeholder) is allowed
-
-
-def _number(value: Any, integer: bool) -> Optional[str]:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return "a number"
-    if integer and not float(value).is_integer():
-        return "an integer"
-    if not math.isfinite(value):
-        return "finite"
-    return None
-
-
-def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-def between(lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False,
-            hi_open: bool = False, integer: bool = False, optional: bool = False) -> Rule:
-    """A finite number in [lo, hi] (open ends where asked), optionally an integer."""
-    lb = "(" if lo_open else "["
-    rb = ")" if hi_open else "]"
-    kind = "an integer" if integer else "a number"
-    if lo is not None and hi is not None:
-        want = f"{kind} in {lb}{_fmt(lo)}, {_fmt(hi)}{rb}"
-    elif lo is not None:
-        want = f"{kind} {'>' if lo_open else '>='} {_fmt(lo)}"
-    else:
-        want = f"{kind} {'<' if hi_open else '<='} {_fmt(hi)}"
-
-    def check(value):
-        if _number(value, integer):
-            return want
-        if lo is not None and (value <= lo if lo_open else value < lo):
-            return want
-        if hi is not None and (value >= hi if hi_open else value > hi):
-            return want
-        return None
-    return Rule(check, optional)
-
-
-def one_of(options: Sequence[str], optional: bool = False) -> Rule:
-    return Rule(lambda v: None if v in options else f"one of {', '.join(map(str, options))}",
-                optional)
 
 
 def _norm(value: Any) -> Optional[str]:
@@ -94,21 +41,13 @@ def _norm(value: Any) -> Optional[str]:
     return None
 
 
-def _directory(value: Any) -> Optional[str]:
-    return None if os.path.isdir(os.path.expanduser(str(value))) else "an existing directory"
-
-
-def _bool(value: Any) -> Optional[str]:
-    return None if isinstance(value, bool) else "true or false"
-
-
 RULES: Dict[str, Rule] = {
     "seed": between(0, SEED_MAX, integer=True),
     "rounds": between(1, integer=True),
     "participation": between(0, 1, lo_open=True),
     "algorithm": one_of(tuple(ALGORITHMS)),
     "dataset.name": one_of(DATASETS + ("synthetic",)),
-    "dataset.data_dir": Rule(_directory, optional=True),
+    "dataset.data_dir": Rule(directory, optional=True),
     "dataset.train_limit": between(1, integer=True, optional=True),
     "model.name": one_of(models.NAMES),
     "model.norm": Rule(_norm, optional=True),
@@ -121,7 +60,7 @@ RULES: Dict[str, Rule] = {
     "partition.alpha": between(0, lo_open=True, optional=True),
     "partition.classes_per_client": between(1, integer=True, optional=True),
     "partition.min_size": between(1, integer=True, optional=True),
-    "partition.balance": Rule(_bool),
+    "partition.balance": Rule(boolean),
     "local.epochs": between(0, lo_open=True),
     "local.batch_size": between(1, integer=True),
     "local.mode": one_of(STEP_MODES),
@@ -137,17 +76,22 @@ RULES: Dict[str, Rule] = {
     "server.momentum": between(0, 1, hi_open=True),
     "aggregation.weights": one_of(AGGREGATIONS),
     "aggregation.bn": one_of(BN_MODES),
+    "aggregation.rule": one_of(AGGREGATION_RULES),
+    "aggregation.trim": between(0, 0.5, hi_open=True),
     "execution.strategy": one_of(STRATEGIES),
     "execution.group_size": between(1, integer=True, optional=True),
     "eval.every": between(1, integer=True),
     "eval.batch_size": between(1, integer=True),
-    "eval.local": Rule(_bool),
+    "eval.local": Rule(boolean),
     "shuffle.n_sf": between(0),
     "shuffle.p_sf": between(0, 1),
     "shuffle.window": between(0, 1, lo_open=True, optional=True),
     "checkpoint_every": between(1, integer=True),
     "max_train_loss": between(0, lo_open=True),
 }
+# Each algorithm's options, config.<algorithm>.<key>, with the rules it declares.
+RULES.update({f"{name}.{key}": rule for name, entry in ALGORITHMS.items()
+              for key, rule in entry.rules.items()})
 
 
 def leaves(cfg: ml_collections.ConfigDict, prefix: str = "") -> Iterator[Tuple[str, Any]]:

@@ -118,7 +118,7 @@ def test_loop_without_donation_gives_the_same_numbers():
     _, variables, algo = tiny_fedavg(norm="batch")
     states = []
     for donate in (True, False):
-        ex = LoopExecutor(ClientProgram(algo, WORK), cd, donate=donate)
+        ex = LoopExecutor(ClientProgram(algo, WORK, cd), cd, donate=donate)
         sim = Simulation(algo, cd, WORK, ex, participation=0.5, seed=3)
         state, _ = sim.round(sim.init(variables))
         states.append(state.server)

@@ -55,14 +55,15 @@ def test_server_optimizers_follow_the_pseudo_gradient():
     delta2 = jax.tree_util.tree_map(lambda x: jnp.full_like(x, -0.1), p0)
     algo = fedavg(model, optax.sgd(0.1), server_tx=optax.sgd(0.5, momentum=0.9))  # FedAvgM
     s = algo.server_init(variables)
-    s = algo.server_update(s, {"delta": delta1, "model_state": {}})
-    s = algo.server_update(s, {"delta": delta2, "model_state": {}})
+    s = algo.server_update(s, {"delta": delta1, "model_state": {}}, None)
+    s = algo.server_update(s, {"delta": delta2, "model_state": {}}, None)
     # momentum buffer: m1 = -0.2, m2 = 0.9 * m1 + 0.1 = -0.08; p = p0 + 0.5*0.2 + 0.5*0.08
     want = jax.tree_util.tree_map(lambda x: x + 0.5 * 0.2 + 0.5 * 0.08, p0)
     assert max_rel_err(s.params, want, floor=1.0) < 1e-6
     assert int(s.round) == 2
     plain = fedavg(model, optax.sgd(0.1))  # server SGD(1): p + mean delta
-    s = plain.server_update(plain.server_init(variables), {"delta": delta1, "model_state": {}})
+    s = plain.server_update(plain.server_init(variables),
+                            {"delta": delta1, "model_state": {}}, None)
     assert max_rel_err(s.params, jax.tree_util.tree_map(lambda x: x + 0.2, p0), floor=1.0) < 1e-6
 
 

@@ -38,14 +38,16 @@ def test_shuffles_permute_the_local_model_and_compose():
     the product of the permutations drawn, which the wrapper tracks."""
     model, variables, algo = _setup(0.0, norm="none")  # BN statistics would move with data
     spec = P.spec_for(model, variables)
-    wrapped = with_shuffling(algo, spec, p_sf=0.5, n_sf=10.0)
+    wrapped = with_shuffling(algo, spec, p_sf=0.5, n_sf=10.0, track_product=True)
     server = algo.server_init(variables)
-    ctx = ClientContext(jax.random.PRNGKey(3), jnp.int32(4), jnp.int32(32))  # prob 10/4 >= 1
+    ctx = ClientContext(jax.random.PRNGKey(3), jnp.int32(4), jnp.int32(32), jnp.int32(0),
+                        jnp.int32(0), jnp.ones(10))  # prob 10/4 >= 1
     local = wrapped.client_init(server, None, ctx)
     batch = {"x": jnp.zeros((8, 6, 6, 1)), "y": jnp.zeros(8, jnp.int32), "mask": jnp.zeros(8)}
     step = jax.jit(wrapped.client_step)
     for _ in range(4):
-        local, _ = step(local, batch)
+        local, metrics = step(local, batch, server)
+        assert float(metrics["shuffles"]) == 1.0
     assert np.mean([P.r_kept(p) for p in local.product.values()]) < 0.9
     want = P.apply_permutation(spec, {k: np.asarray(v) for k, v in local.product.items()},
                                jax.tree_util.tree_map(np.asarray, variables))

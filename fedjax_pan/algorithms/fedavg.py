@@ -34,8 +34,9 @@ class ServerState(NamedTuple):
 
 def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
            server_tx: optax.GradientTransformation = optax.sgd(1.0), *,
-           warmup: str = "none", warmup_length: int = 0, bn: str = "mean") -> FederatedAlgorithm:
-    """FedAvg / FedOpt for a flax `model` trained locally with `client_tx`."""
+           warmup: str = "none", warmup_length: int = 0, bn: str = "mean",
+           loss: local_lib.LossSum = local_lib.masked_cross_entropy) -> FederatedAlgorithm:
+    """FedAvg / FedOpt for a flax `model` trained locally with `client_tx` on `loss`."""
     if warmup not in local_lib.WARMUPS:
         raise ValueError(f"unknown warmup {warmup!r}; expected one of {local_lib.WARMUPS}")
     if bn not in BN_MODES:
@@ -56,15 +57,18 @@ def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
         return local_lib.init_local(client_tx, {"params": server.params, **model_state},
                                     lr_scale)
 
-    def client_step(local, batch):
-        return local_lib.sgd_step(model, client_tx, local, batch, warmup, warmup_length)
+    def client_step(local, batch, server):
+        del server  # FedAvg's local objective does not involve the global model
+        return local_lib.sgd_step(model, client_tx, local, batch, warmup, warmup_length,
+                                  loss=loss)
 
     def client_output(local, server):
         delta = jax.tree_util.tree_map(lambda a, b: a - b, local.params, server.params)
         new_client_state = local.model_state if bn == "local" and local.model_state else None
         return {"delta": delta, "model_state": local.model_state}, new_client_state
 
-    def server_update(server, mean_output):
+    def server_update(server, mean_output, info):
+        del info
         pseudo_grad = jax.tree_util.tree_map(lambda d: -d, mean_output["delta"])
         updates, opt_state = server_tx.update(pseudo_grad, server.opt_state, server.params)
         params = optax.apply_updates(server.params, updates)

@@ -68,6 +68,10 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) 
     return jnp.sum(ce * mask)
 
 
+# loss(outputs, targets, mask) -> the sum over real examples (cross-entropy by default).
+LossSum = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
 def forward(model: nn.Module, params: PyTree, model_state: Dict[str, PyTree],
             batch: Dict[str, jax.Array], train: bool) -> Tuple[jax.Array, Dict[str, PyTree]]:
     """Logits and the updated non-trainable collections."""
@@ -79,27 +83,32 @@ def forward(model: nn.Module, params: PyTree, model_state: Dict[str, PyTree],
     return model.apply(variables, batch["x"], train=train, mask=batch["mask"]), model_state
 
 
-# extra_loss(params, local_state, batch, logits) -> scalar added to the mean loss.
-ExtraLoss = Callable[[PyTree, LocalState, Dict[str, jax.Array], jax.Array], jax.Array]
+# extra_loss(params, local_state, batch, logits) -> (term added to the mean loss, metrics):
+# the metrics are sums the algorithm reports (see algorithms.core).
+ExtraLoss = Callable[[PyTree, LocalState, Dict[str, jax.Array], jax.Array],
+                     Tuple[jax.Array, Dict[str, jax.Array]]]
 
 
 def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalState,
              batch: Dict[str, jax.Array], warmup: str = "none", warmup_length: int = 0,
              extra_loss: Optional[ExtraLoss] = None,
              grad_transform: Optional[Callable[[PyTree, LocalState], PyTree]] = None,
+             loss: LossSum = masked_cross_entropy,
              ) -> Tuple[LocalState, Dict[str, jax.Array]]:
     """One local step on the mean loss over the batch's real examples."""
     count = jnp.sum(batch["mask"])
 
     def loss_fn(params):
         logits, new_state = forward(model, params, local.model_state, batch, train=True)
-        loss_sum = masked_cross_entropy(logits, batch["y"], batch["mask"])
-        loss = loss_sum / jnp.maximum(count, 1.0)
+        loss_sum = loss(logits, batch["y"], batch["mask"])
+        objective = loss_sum / jnp.maximum(count, 1.0)
+        extra_metrics = {}
         if extra_loss is not None:
-            loss = loss + extra_loss(params, local, batch, logits)
-        return loss, (loss_sum, new_state)
+            term, extra_metrics = extra_loss(params, local, batch, logits)
+            objective = objective + term
+        return objective, (loss_sum, new_state, extra_metrics)
 
-    grads, (loss_sum, new_state) = jax.grad(loss_fn, has_aux=True)(local.params)
+    grads, (loss_sum, new_state, extra_metrics) = jax.grad(loss_fn, has_aux=True)(local.params)
     if grad_transform is not None:
         grads = grad_transform(grads, local)
     updates, opt_state = tx.update(grads, local.opt_state, local.params)
@@ -113,4 +122,4 @@ def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalSta
             lambda u: jax.tree_util.tree_map(lambda x: x * scale.astype(x.dtype), u), updates)
     params = optax.apply_updates(local.params, updates)
     new_local = LocalState(params, new_state, opt_state, local.step + 1, local.lr_scale)
-    return new_local, {"loss_sum": loss_sum, "num_examples": count}
+    return new_local, {"loss_sum": loss_sum, "num_examples": count, **extra_metrics}

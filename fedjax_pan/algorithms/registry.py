@@ -1,17 +1,25 @@
-"""Builds a configured algorithm by name; the engine itself never sees these names."""
+"""Builds a configured algorithm by name; the engine itself never sees these names.
+
+Each algorithm owns a config namespace `config.<name>` (its `OPTIONS`, checked by its
+`RULES`); `defaults.default_config` and `schema.RULES` are assembled from this table, so
+neither knows any algorithm's options.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Dict
 
 import flax.linen as nn
 import optax
 
-from fedjax_pan.algorithms.core import FederatedAlgorithm
-from fedjax_pan.algorithms.fedavg import BN_MODES, fedavg
-from fedjax_pan.algorithms.local import WARMUPS, client_optimizer
+from fedjax_pan.algorithms import core
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.algorithms.fedprox import ENTRY as FEDPROX
+from fedjax_pan.algorithms.local import client_optimizer
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
+AGGREGATION_RULES = ("mean", "median", "trimmed_mean")
 
 
 def server_optimizer(name: str, learning_rate: float, momentum: float = 0.0,
@@ -27,20 +35,40 @@ def server_optimizer(name: str, learning_rate: float, momentum: float = 0.0,
     raise ValueError(f"unknown server optimizer {name!r}; expected one of {SERVER_OPTIMIZERS}")
 
 
-def _fedavg(model: nn.Module, cfg: Any) -> FederatedAlgorithm:
-    opt, server = cfg.optimizer, cfg.server
-    return fedavg(model,
-                  client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip),
-                  server_optimizer(server.optimizer, server.lr, server.momentum),
-                  warmup=opt.warmup, warmup_length=opt.warmup_length, bn=cfg.aggregation.bn)
+def _fedavg(model, cfg, client_tx, server_tx):
+    return fedavg(model, client_tx, server_tx, warmup=cfg.optimizer.warmup,
+                  warmup_length=cfg.optimizer.warmup_length, bn=cfg.aggregation.bn)
 
 
-ALGORITHMS: Dict[str, Callable[[nn.Module, Any], FederatedAlgorithm]] = {"fedavg": _fedavg}
-OPTIONS = {"warmup": WARMUPS, "bn": BN_MODES, "server": SERVER_OPTIMIZERS}
+ALGORITHMS: Dict[str, AlgorithmEntry] = {
+    "fedavg": AlgorithmEntry(_fedavg, {}, {}),
+    "fedprox": FEDPROX,
+}
+
+
+def aggregator(rule: str, trim: float) -> core.Aggregator:
+    """The aggregation rule `config.aggregation.rule` names."""
+    if rule == "median":
+        return core.median()
+    if rule == "trimmed_mean":
+        return core.trimmed_mean(trim)
+    if rule == "mean":
+        return core.weighted_mean
+    raise ValueError(f"unknown aggregation rule {rule!r}; expected one of {AGGREGATION_RULES}")
 
 
 def from_config(model: nn.Module, cfg: Any) -> FederatedAlgorithm:
     """The algorithm `cfg.algorithm` for `model`, configured by `cfg`."""
     if cfg.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {cfg.algorithm!r}; available: {sorted(ALGORITHMS)}")
-    return ALGORITHMS[cfg.algorithm](model, cfg)
+    opt, server = cfg.optimizer, cfg.server
+    client_tx = client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip)
+    server_tx = server_optimizer(server.optimizer, server.lr, server.momentum)
+    algorithm = ALGORITHMS[cfg.algorithm].build(model, cfg, client_tx, server_tx)
+    rule = cfg.aggregation.rule
+    if rule != "mean":
+        if algorithm.aggregator is not core.weighted_mean:
+            raise ValueError(f"{cfg.algorithm} aggregates its outputs its own way; "
+                             f"aggregation.rule must be 'mean', got {rule!r}")
+        algorithm = algorithm._replace(aggregator=aggregator(rule, cfg.aggregation.trim))
+    return algorithm

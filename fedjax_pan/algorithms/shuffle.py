@@ -4,8 +4,9 @@ At each local step a client permutes its hidden neurons with probability N_sf / 
 (r_k = its number of local steps this round, so N_sf shuffles are expected per round),
 each permutation drawn by Alg. 1 with swap probability P_sf. The model (parameters and
 BatchNorm statistics) is permuted; the optimiser state is not, as when a PyTorch model's
-weights are permuted in place. The product of the permutations applied is kept so its
-R_kept can be reported.
+weights are permuted in place. Each round logs `train_shuffles`, the shuffles applied
+over all its clients; with `track_product` the local state also keeps the product of the
+permutations applied (for tests and analyses; it costs a composition per step).
 
 Works for any algorithm whose local state has `params` and `model_state` fields.
 """
@@ -27,18 +28,18 @@ class ShuffledLocal(NamedTuple):
     inner: PyTree
     rng: jax.Array
     prob: jax.Array  # shuffle probability per step: N_sf / r_k
-    product: Dict[str, jax.Array]  # the permutations applied so far, composed
+    product: Optional[Dict[str, jax.Array]]  # the permutations applied so far, composed
 
 
 def with_shuffling(algorithm: FederatedAlgorithm, spec: perm_lib.PermutationSpec,
-                   p_sf: float, n_sf: float, window: Optional[float] = None
-                   ) -> FederatedAlgorithm:
+                   p_sf: float, n_sf: float, window: Optional[float] = None,
+                   track_product: bool = False) -> FederatedAlgorithm:
     """`algorithm` with Alg. 2's random neuron shuffles during local training."""
 
     def client_init(server, client_state, ctx):
         inner = algorithm.client_init(server, client_state, ctx)
         prob = n_sf / jnp.maximum(ctx.num_steps, 1).astype(jnp.float32)
-        identity = {k: jnp.arange(n) for k, n in spec.sizes.items()}
+        identity = {k: jnp.arange(n) for k, n in spec.sizes.items()} if track_product else None
         return ShuffledLocal(inner, jax.random.fold_in(ctx.rng, 0x5F), prob, identity)
 
     def shuffle(inner, perms):
@@ -47,14 +48,17 @@ def with_shuffling(algorithm: FederatedAlgorithm, spec: perm_lib.PermutationSpec
         return inner._replace(params=variables["params"],
                               model_state={k: variables[k] for k in inner.model_state})
 
-    def client_step(local, batch):
+    def client_step(local, batch, server):
         rng, k_do, k_perm = jax.random.split(local.rng, 3)
         do = jax.random.uniform(k_do) <= local.prob
         perms = perm_lib.random_permutations_jax(spec, k_perm, p_sf, window)
         inner = jax.lax.cond(do, shuffle, lambda i, _: i, local.inner, perms)
-        product = jax.tree_util.tree_map(lambda new, old: jnp.where(do, new, old),
-                                         perm_lib.compose(local.product, perms), local.product)
-        inner, metrics = algorithm.client_step(inner, batch)
+        product = local.product
+        if track_product:
+            product = jax.tree_util.tree_map(lambda new, old: jnp.where(do, new, old),
+                                             perm_lib.compose(product, perms), product)
+        inner, metrics = algorithm.client_step(inner, batch, server)
+        metrics = {**metrics, "shuffles": do.astype(jnp.float32)}
         return ShuffledLocal(inner, rng, local.prob, product), metrics
 
     def client_output(local, server):

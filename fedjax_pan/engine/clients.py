@@ -63,25 +63,32 @@ class ClientData:
     """Device-resident training data and the clients' index table.
 
     images (N, H, W, C) float32 (normalised); labels (N,) int32; index_table (K, max_n)
-    int32 padded with 0; sizes (K,) host ints.
+    int32 padded with 0; sizes (K,) host ints; label_counts (K, C) float32, each client's
+    label histogram (handed to algorithms in their `ClientContext`).
     """
 
     images: jax.Array
     labels: jax.Array
     index_table: jax.Array
     sizes: np.ndarray
+    label_counts: Optional[jax.Array] = None
 
     @classmethod
     def create(cls, images: np.ndarray, labels: np.ndarray,
-               client_indices: Sequence[np.ndarray]) -> "ClientData":
+               client_indices: Sequence[np.ndarray],
+               num_classes: Optional[int] = None) -> "ClientData":
         sizes = np.asarray([len(ix) for ix in client_indices], np.int64)
         if len(sizes) == 0 or sizes.min() < 1:
             raise ValueError("every client needs at least one example")
         table = np.zeros((len(sizes), int(sizes.max())), np.int32)
         for k, ix in enumerate(client_indices):
             table[k, :len(ix)] = ix
+        labels = np.asarray(labels)
+        num_classes = int(labels.max()) + 1 if num_classes is None else num_classes
+        counts = np.stack([np.bincount(labels[ix], minlength=num_classes)
+                           for ix in client_indices]).astype(np.float32)
         return cls(jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32),
-                   jnp.asarray(table), sizes)
+                   jnp.asarray(table), sizes, jnp.asarray(counts))
 
     @property
     def num_clients(self) -> int:

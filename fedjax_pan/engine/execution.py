@@ -45,30 +45,49 @@ class Cohort(NamedTuple):
     data_keys: jax.Array  # (M,) batch-order keys
     rngs: jax.Array  # (M,) keys handed to client_init (in its ClientContext)
     client_states: PyTree  # stacked (M, ...) or None
+    round: int = 0  # the round's index
 
 
 class CohortResult(NamedTuple):
-    output_sum: PyTree  # sum_k w_k * output_k
+    output_sum: PyTree  # sum_k w_k * output_k (streaming aggregators), else None
     client_states: PyTree  # stacked (M, ...) in cohort order, or None
     metrics: Dict[str, jax.Array]  # sums over clients and steps
     computed_examples: int  # batch rows computed, padding included
-
-
-def _zeros_metrics() -> Dict[str, jax.Array]:
-    return {"loss_sum": jnp.zeros((), jnp.float32), "num_examples": jnp.zeros((), jnp.float32)}
+    outputs: PyTree = None  # stacked (M, ...) in cohort order (stacked aggregators)
 
 
 class ClientProgram:
-    """The per-client computations every strategy is assembled from (pure functions)."""
+    """The per-client computations every strategy is assembled from (pure functions).
 
-    def __init__(self, algorithm: FederatedAlgorithm, work: LocalWork):
+    With a stacked aggregator `finish` returns each client's own output (the executors
+    stack them); otherwise its weighted output (the executors sum them).
+    """
+
+    def __init__(self, algorithm: FederatedAlgorithm, work: LocalWork, data: ClientData):
         self.algorithm = algorithm
         self.batch_size = work.batch_size
+        self.stacked = algorithm.aggregator.stacked
+        self._batch = jax.eval_shape(lambda: make_batch(
+            data.images, data.labels, data.index_table[0], jnp.int32(1),
+            jax.random.PRNGKey(0), jnp.int32(0), self.batch_size))
+        self._metric_shapes = None
+
+    def metric_zeros(self, server, client_state, ctx) -> Dict[str, jax.Array]:
+        """Zeros shaped like one step's metrics (the start of their sums)."""
+        if self._metric_shapes is None:
+            def one_step(server, client_state, ctx, batch):
+                local = self.algorithm.client_init(server, client_state, ctx)
+                return self.algorithm.client_step(local, batch, server)[1]
+            self._metric_shapes = jax.eval_shape(one_step, server, client_state, ctx,
+                                                 self._batch)
+        return tree_map(lambda s: jnp.zeros(s.shape, s.dtype), self._metric_shapes)
 
     def init(self, server, client_state, ctx):
-        return self.algorithm.client_init(server, client_state, ctx), _zeros_metrics()
+        local = self.algorithm.client_init(server, client_state, ctx)
+        return local, self.metric_zeros(server, client_state, ctx)
 
-    def step(self, arrays, carry, info, t, masked: bool = True, rows: Optional[int] = None):
+    def step(self, arrays, server, carry, info, t, masked: bool = True,
+             rows: Optional[int] = None):
         """One local step on `rows` batch rows; if `masked`, a client past its step count
         keeps its state.
 
@@ -79,7 +98,7 @@ class ClientProgram:
         images, labels, table = arrays
         client, size, key, steps = info
         batch = make_batch(images, labels, table[client], size, key, t, self.batch_size, rows)
-        new_local, metrics = self.algorithm.client_step(local, batch)
+        new_local, metrics = self.algorithm.client_step(local, batch, server)
         if not masked:
             return new_local, tree_map(jnp.add, acc, metrics)
         active = t < steps
@@ -87,7 +106,7 @@ class ClientProgram:
         acc = tree_map(lambda a, m: a + jnp.where(active, m, 0.0), acc, metrics)
         return local, acc
 
-    def train_alone(self, arrays, carry, info, tails: tuple, tail_index):
+    def train_alone(self, arrays, server, carry, info, tails: tuple, tail_index):
         """All of one client's steps, unmasked. Its last partial batch of an epoch runs on
         `tails[tail_index - 1]` rows; tail_index 0: it has none, or runs it on B rows.
 
@@ -95,12 +114,12 @@ class ClientProgram:
         clients and the step count is a loop bound, not a shape.
         """
         _, size, _, steps = info
-        step = lambda t, c: self.step(arrays, c, info, t, masked=False)  # noqa: E731
+        step = lambda t, c: self.step(arrays, server, c, info, t, masked=False)  # noqa: E731
         per_epoch = (size + self.batch_size - 1) // self.batch_size
         full = per_epoch - (tail_index > 0)
 
         def tail_step(rows):
-            return lambda t, c: self.step(arrays, c, info, t, masked=False, rows=rows)
+            return lambda t, c: self.step(arrays, server, c, info, t, masked=False, rows=rows)
         branches = [lambda t, c: c] + [tail_step(r) for r in tails]
 
         def epoch(e, c):
@@ -113,6 +132,8 @@ class ClientProgram:
 
     def finish(self, server, local, weight):
         output, client_state = self.algorithm.client_output(local, server)
+        if self.stacked:
+            return output, client_state
         return tree_map(lambda o: o * weight.astype(o.dtype), output), client_state
 
     def output_zeros(self, server, client_state, ctx):
@@ -141,7 +162,9 @@ def _client_args(data: ClientData, cohort: Cohort, m):
     ids = np.asarray(cohort.ids)[m]
     sizes = jnp.asarray(data.sizes[ids], jnp.int32)
     steps = jnp.asarray(np.asarray(cohort.steps)[m], jnp.int32)
-    ctx = ClientContext(cohort.rngs[m], steps, sizes)
+    ctx = ClientContext(cohort.rngs[m], steps, sizes, jnp.asarray(ids, jnp.int32),
+                        jnp.full(np.shape(ids), cohort.round, jnp.int32),
+                        data.label_counts[ids])
     info = (jnp.asarray(ids, jnp.int32), sizes, cohort.data_keys[m], steps)
     return _take(cohort.client_states, m), ctx, info
 
@@ -169,10 +192,13 @@ class LoopExecutor:
         self._init = jax.jit(p.init)
         self._reset = jax.jit(lambda carry, *args: p.init(*args), donate_argnums=(0,))
         # Clients run exactly their own steps here, so no step needs a mask.
-        self._step = jax.jit(lambda arrays, carry, info, t, rows: p.step(
-            arrays, carry, info, t, masked=False, rows=rows), static_argnums=(4,),
-            donate_argnums=(1,) if self.donate else ())
-        self._end = jax.jit(self._accumulate, donate_argnums=(3, 4))
+        self._step = jax.jit(lambda arrays, server, carry, info, t, rows: p.step(
+            arrays, server, carry, info, t, masked=False, rows=rows), static_argnums=(5,),
+            donate_argnums=(2,) if self.donate else ())
+        if p.stacked:
+            self._end = jax.jit(self._finish, donate_argnums=(3,))
+        else:
+            self._end = jax.jit(self._accumulate, donate_argnums=(3, 4))
         self._arrays = (self.data.images, self.data.labels, self.data.index_table)
         self._compiled: Optional[dict] = None
         self._zeros = None
@@ -182,40 +208,52 @@ class LoopExecutor:
         out, state = self.program.finish(server, local, weight)
         return _add(out_sum, out), _add(metrics, acc), state
 
+    def _finish(self, server, carry, weight, metrics):
+        local, acc = carry
+        out, state = self.program.finish(server, local, weight)
+        return out, _add(metrics, acc), state
+
     def computed_examples(self, sizes: np.ndarray, steps: np.ndarray) -> int:
         """Batch rows computed for clients of `sizes` taking `steps`, padding included."""
         return computed_alone(sizes, steps, self.program.batch_size)
 
-    def _compile(self, carry, info) -> dict:
+    def _compile(self, server, carry, info) -> dict:
         # Every step shape the data holds, compiled before any client runs: no later round
         # (whose cohort may hold new tail sizes) compiles.
         b = self.program.batch_size
         shapes = {b} | {int(r) for r in tail_rows(self.data.sizes, b) if r}
-        return {r: self._step.lower(self._arrays, carry, info, jnp.int32(0), r).compile()
-                for r in sorted(shapes)}
+        return {r: self._step.lower(self._arrays, server, carry, info, jnp.int32(0),
+                                    r).compile() for r in sorted(shapes)}
 
     def run(self, server: PyTree, cohort: Cohort) -> CohortResult:
-        metrics, states, carry = _zeros_metrics(), [], None
+        p = self.program
+        metrics, states, outputs, carry, out_sum = None, [], [], None, None
         for m, client in enumerate(cohort.ids):
             client_state, ctx, info = _client_args(self.data, cohort, m)
             if carry is None:
                 carry = self._init(server, client_state, ctx)
-                if self._zeros is None:
-                    self._zeros = self.program.output_zeros(server, client_state, ctx)
-                out_sum = self._zeros()
+                metrics = p.metric_zeros(server, client_state, ctx)
+                if not p.stacked:
+                    if self._zeros is None:
+                        self._zeros = p.output_zeros(server, client_state, ctx)
+                    out_sum = self._zeros()
             else:
                 carry = self._reset(carry, server, client_state, ctx)
             if self._compiled is None:
-                self._compiled = self._compile(carry, info)
-            rows = step_rows(int(self.data.sizes[client]), int(cohort.steps[m]),
-                             self.program.batch_size)
+                self._compiled = self._compile(server, carry, info)
+            rows = step_rows(int(self.data.sizes[client]), int(cohort.steps[m]), p.batch_size)
             for t, r in enumerate(rows):
-                carry = self._compiled[r](self._arrays, carry, info, jnp.int32(t))
-            out_sum, metrics, state = self._end(server, carry, jnp.float32(cohort.weights[m]),
-                                                out_sum, metrics)
+                carry = self._compiled[r](self._arrays, server, carry, info, jnp.int32(t))
+            weight = jnp.float32(cohort.weights[m])
+            if p.stacked:
+                out, metrics, state = self._end(server, carry, weight, metrics)
+                outputs.append(out)
+            else:
+                out_sum, metrics, state = self._end(server, carry, weight, out_sum, metrics)
             states.append(state)
         return CohortResult(out_sum, _stack(states), metrics,
-                            self.computed_examples(self.data.sizes[cohort.ids], cohort.steps))
+                            self.computed_examples(self.data.sizes[cohort.ids], cohort.steps),
+                            _stack(outputs) if p.stacked else None)
 
 
 @dataclasses.dataclass
@@ -249,23 +287,25 @@ class VmapExecutor:
         # A lone client has no one to wait for: its steps need no mask.
         step = functools.partial(p.step, masked=not self.single)
         if not self.single:
-            step = jax.vmap(step, in_axes=(None, 0, 0, None))
+            step = jax.vmap(step, in_axes=(None, None, 0, 0, None))
 
         def run_group(arrays, server, client_states, ctx, info, num_steps, tail_index,
                       weights, out_sum, metrics):
-            """The group's local training; adds its weighted outputs to `out_sum`."""
+            """The group's local training; adds its weighted outputs to `out_sum` (or,
+            for a stacked aggregator, returns them: `out_sum` is then None)."""
             carry = self._constrain(over_clients(p.init, (None, 0, 0))(server, client_states,
                                                                        ctx))
             if self.single:  # squeezed, not vmapped: a size-1 vmap slows dense layers
-                local = p.train_alone(arrays, _take(carry, 0), _take(info, 0), self.tails,
-                                      tail_index)
+                local = p.train_alone(arrays, server, _take(carry, 0), _take(info, 0),
+                                      self.tails, tail_index)
                 carry = tree_map(lambda x: x[None], local)
             else:
                 carry = jax.lax.fori_loop(0, num_steps,
-                                          lambda t, c: step(arrays, c, info, t), carry)
+                                          lambda t, c: step(arrays, server, c, info, t), carry)
             local, acc = self._constrain(carry)
             outs, states = over_clients(p.finish, (None, 0, 0))(server, local, weights)
-            return _add(out_sum, _sum0(outs)), _add(metrics, _sum0(acc)), states
+            outs = outs if out_sum is None else _add(out_sum, _sum0(outs))
+            return outs, _add(metrics, _sum0(acc)), states
 
         # Lone clients run their tails on fewer rows: every tail shape the data holds.
         rows = tail_rows(self.data.sizes, p.batch_size) if self.single else []
@@ -309,9 +349,11 @@ class VmapExecutor:
         return self._tail_slot.get(rows, 0)
 
     def run(self, server: PyTree, cohort: Cohort) -> CohortResult:
+        p = self.program
         server = self._replicate(server)
-        metrics, out_sum = self._replicate(_zeros_metrics()), None
+        metrics, out_sum = None, None
         slot_states = [None] * len(cohort.ids)
+        slot_outputs = [None] * len(cohort.ids)
         for g in self.groups(cohort.steps):
             real = g >= 0
             slots = np.where(real, g, g[0])
@@ -325,19 +367,27 @@ class VmapExecutor:
                     jnp.int32(np.max(cohort.steps[slots[real]])),
                     jnp.int32(self._tail_index(self.data.sizes[cohort.ids[g[0]]])),
                     self._split_put(weights))
-            if out_sum is None:
-                if self._zeros is None:
-                    self._zeros = self.program.output_zeros(
-                        server, _take(cohort.client_states, 0),
-                        ClientContext(cohort.rngs[0], jnp.int32(0), jnp.int32(0)))
-                out_sum = self._replicate(self._zeros())
-            out_sum, metrics, new_states = self._run_group(*args, out_sum, metrics)
+            if metrics is None:
+                one_state, one_ctx, _ = _client_args(self.data, cohort, 0)
+                metrics = self._replicate(p.metric_zeros(server, one_state, one_ctx))
+                if not p.stacked:
+                    if self._zeros is None:
+                        self._zeros = p.output_zeros(server, one_state, one_ctx)
+                    out_sum = self._replicate(self._zeros())
+            result, metrics, new_states = self._run_group(*args, out_sum, metrics)
+            if p.stacked:
+                for j, slot in enumerate(g):
+                    if slot >= 0:
+                        slot_outputs[slot] = _take(result, j)
+            else:
+                out_sum = result
             if new_states is not None:
                 for j, slot in enumerate(g):
                     if slot >= 0:
                         slot_states[slot] = _take(new_states, j)
         return CohortResult(out_sum, _stack(slot_states), metrics,
-                            self.computed_examples(self.data.sizes[cohort.ids], cohort.steps))
+                            self.computed_examples(self.data.sizes[cohort.ids], cohort.steps),
+                            _stack(slot_outputs) if p.stacked else None)
 
 
 def _over_clients(fn, in_axes, single: bool):
@@ -372,7 +422,7 @@ def make_executor(strategy: str, algorithm: FederatedAlgorithm, work: LocalWork,
                   data: ClientData, variables: PyTree, clients_per_round: int,
                   group_size: Optional[int] = None):
     """An executor for `strategy` ('auto' resolved against backend and model)."""
-    program = ClientProgram(algorithm, work)
+    program = ClientProgram(algorithm, work, data)
     concrete = resolve_strategy(strategy, variables)
     if concrete == "loop":
         return LoopExecutor(program, data, donate=not has_convolutions(variables))

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm
+from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm, RoundInfo
 from fedjax_pan.engine.clients import ClientData, epoch_order
 from fedjax_pan.engine.execution import Cohort
 
@@ -30,7 +30,11 @@ def _jitted(step: Callable) -> Callable:
 
 def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size: int,
                     server: PyTree, cohort: Cohort) -> Tuple[PyTree, list, float]:
-    """(new server state, per-client new states, mean training loss) of one round."""
+    """(new server state, per-client new states, mean training loss) of one round.
+
+    Aggregates in float64 on the host: a streaming aggregator's weighted sum directly,
+    a stacked one on the clients' outputs stacked in cohort order.
+    """
     images, labels = np.asarray(data.images), np.asarray(data.labels)
     table = np.asarray(data.index_table)
     outputs, states, loss_sum, count = [], [], 0.0, 0.0
@@ -38,7 +42,11 @@ def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size:
         client_state = None if cohort.client_states is None else jax.tree_util.tree_map(
             lambda x: x[m], cohort.client_states)
         n = int(data.sizes[client])
-        ctx = ClientContext(cohort.rngs[m], jnp.int32(cohort.steps[m]), jnp.int32(n))
+        ctx = ClientContext(cohort.rngs[m], jnp.int32(cohort.steps[m]), jnp.int32(n),
+                            jnp.int32(client), jnp.int32(cohort.round),
+                            jnp.asarray(np.bincount(np.asarray(data.labels)[table[client, :n]],
+                                                    minlength=data.label_counts.shape[1]),
+                                        jnp.float32))
         local = algorithm.client_init(server, client_state, ctx)
         per_epoch = -(-n // batch_size)
         step = _jitted(algorithm.client_step)
@@ -50,13 +58,26 @@ def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size:
             rows = table[client, order[b * batch_size:(b + 1) * batch_size]].astype(np.int64)
             batch = {"x": jnp.asarray(images[rows]), "y": jnp.asarray(labels[rows]),
                      "mask": jnp.ones(len(rows), jnp.float32)}
-            local, metrics = step(local, batch)
+            local, metrics = step(local, batch, server)
             loss_sum += float(metrics["loss_sum"])
             count += float(metrics["num_examples"])
         output, new_state = algorithm.client_output(local, server)
         outputs.append(output)
         states.append(new_state)
     weights = np.asarray(cohort.weights, np.float64) / np.sum(cohort.weights)
-    mean = jax.tree_util.tree_map(
-        lambda *xs: sum(float(w) * x for w, x in zip(weights, xs)), *outputs)
-    return algorithm.server_update(server, mean), states, loss_sum / max(count, 1.0)
+    info = RoundInfo(jnp.int32(cohort.round), jnp.asarray(cohort.ids, jnp.int32),
+                     jnp.asarray(weights, jnp.float32), data.num_clients)
+    aggregator = algorithm.aggregator
+    if aggregator.stacked:
+        aggregate = aggregator.finalize(
+            jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *outputs),
+            jnp.asarray(weights, jnp.float32))
+    else:  # the weighted sum in float64, then the algorithm's own finalize
+        total = float(np.sum(cohort.weights))
+        weighted = jax.tree_util.tree_map(
+            lambda *xs: jnp.asarray(sum(float(w) * np.asarray(x, np.float64)
+                                        for w, x in zip(cohort.weights, xs)),
+                                    np.asarray(xs[0]).dtype), *outputs)
+        aggregate = aggregator.finalize(weighted, jnp.float32(total))
+    return (algorithm.server_update(server, aggregate, info), states,
+            loss_sum / max(count, 1.0))

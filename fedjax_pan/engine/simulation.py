@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.algorithms.core import FederatedAlgorithm, RoundInfo
 from fedjax_pan.engine.clients import ClientData, LocalWork, client_keys, real_examples
 from fedjax_pan.engine.execution import Cohort
 
@@ -58,7 +58,7 @@ class Simulation:
         key = jax.random.PRNGKey(self.seed)
         self._data_key = jax.random.fold_in(key, _DATA_STREAM)
         self._algo_key = jax.random.fold_in(key, _ALGO_STREAM)
-        self._server_update = jax.jit(self._mean_update)
+        self._server_update = jax.jit(self._aggregate_and_update)
         self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
             lambda a, n: a.at[ids].set(n), all_, new), donate_argnums=(0,))
 
@@ -84,11 +84,15 @@ class Simulation:
             lambda x: x[ids], state.client_states)
         return Cohort(ids, self.steps[ids], weights,
                       client_keys(self._data_key, round_index, ids),
-                      client_keys(self._algo_key, round_index, ids), states)
+                      client_keys(self._algo_key, round_index, ids), states, round_index)
 
-    def _mean_update(self, server, output_sum, total_weight):
-        mean = jax.tree_util.tree_map(lambda x: x / total_weight.astype(x.dtype), output_sum)
-        return self.algorithm.server_update(server, mean)
+    def _aggregate_and_update(self, server, outputs, weights, info):
+        aggregator = self.algorithm.aggregator
+        if aggregator.stacked:
+            aggregate = aggregator.finalize(outputs, weights / jnp.sum(weights))
+        else:
+            aggregate = aggregator.finalize(outputs, jnp.sum(weights))
+        return self.algorithm.server_update(server, aggregate, info)
 
     def client_updates(self, state: SimState) -> list:
         """Each client of round `state.round`'s cohort, run alone: their outputs (for FedAvg,
@@ -100,24 +104,41 @@ class Simulation:
                          cohort.data_keys[m:m + 1], cohort.rngs[m:m + 1],
                          None if cohort.client_states is None else jax.tree_util.tree_map(
                              lambda x: x[m:m + 1], cohort.client_states))
-            outputs.append(self.executor.run(state.server, one).output_sum)
+            result = self.executor.run(state.server, one)
+            outputs.append(result.output_sum if result.outputs is None else
+                           jax.tree_util.tree_map(lambda x: x[0], result.outputs))
         return outputs
 
     def round(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
         """Runs round `state.round`; returns the new state and the round's statistics."""
         cohort = self.cohort(state, state.round)
         result = self.executor.run(state.server, cohort)
-        server = self._server_update(state.server, result.output_sum,
-                                     jnp.float32(np.sum(cohort.weights)))
+        weights = jnp.asarray(cohort.weights, jnp.float32)
+        info = RoundInfo(jnp.int32(state.round), jnp.asarray(cohort.ids, jnp.int32),
+                         weights / jnp.sum(weights), self.data.num_clients)
+        outputs = result.outputs if self.algorithm.aggregator.stacked else result.output_sum
+        server = self._server_update(state.server, outputs, weights, info)
         client_states = state.client_states
         if client_states is not None:
             client_states = self._scatter(client_states, jnp.asarray(cohort.ids),
                                           result.client_states)
         metrics = jax.device_get(result.metrics)
         real = real_examples(self.work, self.data.sizes[cohort.ids])
-        stats = {
-            "train_loss": float(metrics["loss_sum"]) / max(float(metrics["num_examples"]), 1.0),
-            "real_examples": real,
-            "computed_examples": result.computed_examples,
-        }
+        stats = {**train_metrics(metrics), "real_examples": real,
+                 "computed_examples": result.computed_examples}
         return SimState(server, client_states, state.round + 1), stats
+
+
+def train_metrics(sums: Dict[str, Any]) -> Dict[str, float]:
+    """Per-example means of a round's metric sums: 'loss_sum' -> 'train_loss', and each
+    other '<name>_sum' an algorithm reports -> 'train_<name>'; other keys as summed."""
+    count = max(float(sums["num_examples"]), 1.0)
+    out = {}
+    for key, value in sums.items():
+        if key == "num_examples":
+            continue
+        if key.endswith("_sum"):
+            out["train_" + key[:-4]] = float(value) / count
+        else:
+            out["train_" + key] = float(value)
+    return out

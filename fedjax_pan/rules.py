@@ -1,0 +1,67 @@
+"""Rules for config values: what a value must be, as data (see `schema.RULES`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable, Optional, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """`check(value)` returns None when valid, else what the value must be."""
+
+    check: Callable[[Any], Optional[str]]
+    optional: bool = False  # None (an unset placeholder) is allowed
+
+
+def _number(value: Any, integer: bool) -> Optional[str]:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return "a number"
+    if integer and not float(value).is_integer():
+        return "an integer"
+    if not math.isfinite(value):
+        return "finite"
+    return None
+
+
+def _fmt(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+def between(lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False,
+            hi_open: bool = False, integer: bool = False, optional: bool = False) -> Rule:
+    """A finite number in [lo, hi] (open ends where asked), optionally an integer."""
+    lb = "(" if lo_open else "["
+    rb = ")" if hi_open else "]"
+    kind = "an integer" if integer else "a number"
+    if lo is not None and hi is not None:
+        want = f"{kind} in {lb}{_fmt(lo)}, {_fmt(hi)}{rb}"
+    elif lo is not None:
+        want = f"{kind} {'>' if lo_open else '>='} {_fmt(lo)}"
+    else:
+        want = f"{kind} {'<' if hi_open else '<='} {_fmt(hi)}"
+
+    def check(value):
+        if _number(value, integer):
+            return want
+        if lo is not None and (value <= lo if lo_open else value < lo):
+            return want
+        if hi is not None and (value >= hi if hi_open else value > hi):
+            return want
+        return None
+    return Rule(check, optional)
+
+
+def one_of(options: Sequence[str], optional: bool = False) -> Rule:
+    return Rule(lambda v: None if v in options else f"one of {', '.join(map(str, options))}",
+                optional)
+
+
+def directory(value: Any) -> Optional[str]:
+    return None if os.path.isdir(os.path.expanduser(str(value))) else "an existing directory"
+
+
+def boolean(value: Any) -> Optional[str]:
+    return None if isinstance(value, bool) else "true or false"

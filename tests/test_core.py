@@ -1,0 +1,143 @@
+"""The algorithm interface: aggregation rules, and what clients and the server are told."""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import max_rel_err, tiny_clients, tiny_fedavg
+from fedjax_pan.algorithms import core
+from fedjax_pan.engine import LocalWork, Simulation, make_executor
+from fedjax_pan.engine.reference import reference_round
+
+SIZES = [27, 39, 19, 36, 62, 13]
+WORK = LocalWork(batch_size=8, epochs=1.0)
+
+
+def test_median_and_trimmed_mean_match_numpy():
+    rng = np.random.default_rng(0)
+    outs = {"a": rng.normal(size=(7, 3, 4)).astype(np.float32),
+            "b": rng.normal(size=(7,)).astype(np.float32)}
+    weights = jnp.full((7,), 1 / 7)
+    med = core.median().finalize(jax.tree_util.tree_map(jnp.asarray, outs), weights)
+    for k in outs:
+        np.testing.assert_allclose(med[k], np.median(outs[k], axis=0), rtol=1e-6)
+    trimmed = core.trimmed_mean(0.2).finalize(jax.tree_util.tree_map(jnp.asarray, outs), weights)
+    for k in outs:  # floor(0.2 * 7) = 1 value cut at each end
+        want = np.sort(outs[k], axis=0)[1:6].mean(axis=0)
+        np.testing.assert_allclose(trimmed[k], want, rtol=1e-5, atol=1e-7)
+    full = core.trimmed_mean(0.0).finalize({"b": jnp.asarray(outs["b"])}, weights)
+    np.testing.assert_allclose(full["b"], outs["b"].mean(), rtol=1e-6)
+    with pytest.raises(ValueError, match="trim in"):
+        core.trimmed_mean(0.5)
+
+
+def test_robust_rules_ignore_one_client_sending_huge_values():
+    honest = np.random.default_rng(1).normal(size=(9, 5)).astype(np.float32)
+    attacked = honest.copy()
+    attacked[3] = 1e30
+    w = jnp.full((9,), 1 / 9)
+    for rule in (core.median(), core.trimmed_mean(0.2)):
+        out = np.asarray(rule.finalize({"x": jnp.asarray(attacked)}, w)["x"])
+        assert np.all(np.abs(out) < 3.0), out  # bounded by the honest clients' values
+    mean = core.weighted_mean.finalize({"x": jnp.asarray(attacked.sum(0) / 9)}, jnp.float32(1))
+    assert np.all(np.asarray(mean["x"]) > 1e28)  # the mean is not robust
+
+
+class _Seen(NamedTuple):
+    ids: jax.Array
+    rounds: jax.Array
+    counts: jax.Array
+    steps: jax.Array
+
+
+def _recording_algorithm(num_clients):
+    """Clients send what their context says (weighted sums); the server keeps the totals and
+    what RoundInfo says, so the test can compare both with the cohort."""
+
+    def server_init(variables):
+        return {"seen": _Seen(jnp.zeros(()), jnp.zeros(()), jnp.zeros(10), jnp.zeros(())),
+                "info_ids": jnp.zeros(3, jnp.int32), "info_k": jnp.zeros((), jnp.int32),
+                "info_round": jnp.zeros((), jnp.int32), "steps_seen": jnp.zeros(())}
+
+    def client_init(server, client_state, ctx):
+        return {"seen": _Seen(ctx.client_id.astype(jnp.float32),
+                              ctx.round.astype(jnp.float32), ctx.label_counts,
+                              jnp.zeros(())), "server_round": server["info_round"]}
+
+    def client_step(local, batch, server):
+        seen = local["seen"]._replace(steps=local["seen"].steps + 1.0)
+        return {**local, "seen": seen}, {"loss_sum": jnp.zeros(()),
+                                         "num_examples": jnp.sum(batch["mask"]),
+                                         "steps_sum": jnp.ones(())}
+
+    def client_output(local, server):
+        return local["seen"], None
+
+    def server_update(server, total, info):
+        return {"seen": total, "info_ids": info.client_ids,
+                "info_k": jnp.asarray(info.num_clients, jnp.int32), "info_round": info.round,
+                "steps_seen": total.steps}
+
+    return core.FederatedAlgorithm(server_init, core.no_client_state, client_init,
+                                   client_step, client_output, server_update, lambda s: s,
+                                   core.weighted_sum)
+
+
+@pytest.mark.parametrize("strategy,group", [("loop", None), ("vmap", 1), ("vmap", 3)])
+def test_clients_and_server_are_told_who_they_are(strategy, group):
+    ds, cd = tiny_clients(SIZES)
+    algo = _recording_algorithm(len(SIZES))
+    ex = make_executor(strategy, algo, WORK, cd, {"params": {"w": jnp.zeros(3)}}, 3, group)
+    sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation="uniform", seed=3)
+    state = sim.init(None)
+    state, _ = sim.round(state)
+    state, stats = sim.round(state)
+    ids = sim.sample(1)
+    seen = state.server["seen"]
+    assert float(seen.ids) == ids.sum() and float(seen.rounds) == 1 * len(ids)
+    counts = np.stack([np.bincount(np.asarray(ds.train_labels)[np.asarray(
+        cd.index_table)[k, :SIZES[k]]], minlength=10) for k in ids]).sum(0)
+    np.testing.assert_array_equal(np.asarray(seen.counts), counts)
+    assert float(seen.steps) == sim.steps[ids].sum()
+    np.testing.assert_array_equal(state.server["info_ids"], ids)
+    assert int(state.server["info_k"]) == len(SIZES) and int(state.server["info_round"]) == 1
+    # An algorithm's own metric sums reach the round's statistics, per example.
+    assert stats["train_steps"] == pytest.approx(sim.steps[ids].sum() / stats["real_examples"])
+
+
+def test_the_reference_tells_clients_the_same():
+    ds, cd = tiny_clients(SIZES)
+    algo = _recording_algorithm(len(SIZES))
+    ex = make_executor("loop", algo, WORK, cd, {"params": {"w": jnp.zeros(3)}}, 3)
+    sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation="uniform", seed=3)
+    state = sim.init(None)
+    engine, _ = sim.round(state)
+    server, _, _ = reference_round(algo, cd, WORK.batch_size, state.server, sim.cohort(state, 0))
+    for a, b in zip(jax.tree_util.tree_leaves(engine.server), jax.tree_util.tree_leaves(server)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("rule", [core.median(), core.trimmed_mean(0.34)])
+def test_stacked_rules_give_the_same_numbers_under_every_strategy(rule):
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg()
+    algo = algo._replace(aggregator=rule)
+    servers = {}
+    for strategy, group in [("loop", None), ("vmap", 1), ("vmap", 2)]:
+        ex = make_executor(strategy, algo, WORK, cd, variables, 3, group)
+        sim = Simulation(algo, cd, WORK, ex, participation=0.5, seed=5)
+        state = sim.init(variables)
+        for _ in range(2):
+            state, _ = sim.round(state)
+        servers[f"{strategy}/{group}"] = state.server
+    state = sim.init(variables)
+    for r in range(2):
+        server, _, _ = reference_round(algo, cd, WORK.batch_size, state.server,
+                                       sim.cohort(state, r))
+        state = state._replace(server=server, round=r + 1)
+    for name, server in servers.items():
+        assert max_rel_err(server, state.server) < 1e-5, name
+    assert max_rel_err(state.server.params, variables["params"]) > 1e-2
