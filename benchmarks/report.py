@@ -13,6 +13,10 @@ TARGETS = (
     ("Padding efficiency >= 90% at alpha=0.1", "padding", 0.90, ">="),
     ("auto within 10% of the best strategy (MLP)", "auto_mlp", 1.10, "<="),
     ("auto within 10% of the best strategy (VGG9)", "auto_vgg9", 1.10, "<="),
+    ("FedProx round <= 1.25x FedAvg's", "algo_fedprox", 1.25, "<="),
+    ("Scaffold round <= 1.25x FedAvg's", "algo_scaffold", 1.25, "<="),
+    ("FedDyn round <= 1.25x FedAvg's", "algo_feddyn", 1.25, "<="),
+    ("MOON round <= 1.9x FedAvg's (three forward passes)", "algo_moon", 1.90, "<="),
 )
 
 
@@ -26,6 +30,9 @@ def _target_value(results: Results, key: str) -> Optional[float]:
         return pad["configs"][pad["auto"]["picks"]]["padding_efficiency"]
     if key == "auto_mlp" and "mlp" in results:
         return results["mlp"]["auto"]["ratio_to_best"]
+    if key.startswith("algo_") and "algorithms" in results:
+        rec = results["algorithms"]["algorithms"].get(key[len("algo_"):])
+        return None if rec is None else rec["vs_fedavg"]
     if key == "auto_vgg9" and "vgg" in results:
         gated = [b for b in results["vgg"].values() if b["gates_auto_target"]]
         return max(b["auto"]["ratio_to_best"] for b in gated) if gated else None
@@ -148,6 +155,8 @@ def _blocks(results: Results) -> List[tuple]:
             f"{r['compiles_after_warmup']}"], header, rows))
     if "profile" in results:
         blocks.append(_profile_block(results))
+    if "algorithms" in results:
+        blocks.append(_algorithms_block(results))
     return blocks
 
 
@@ -160,6 +169,23 @@ PROFILE_PARTS = {
     "step": "the library's local step (`sgd_step`), standalone call",
     "floor": "shapes + the update's 5 parameter passes at stream bandwidth",
 }
+
+
+def _algorithms_block(results: Results) -> tuple:
+    r = results["algorithms"]
+    header = ["algorithm", "s/round", "vs FedAvg", "client state (MiB, all K)",
+              "server state (MiB)"]
+    rows = [[name, f"{a['seconds_per_round']:.3f}", f"{a['vs_fedavg']:.2f}x",
+             f"{a['client_state_mib']:.1f}", f"{a['server_state_mib']:.1f}"]
+            for name, a in r["algorithms"].items()]
+    med = r["median_aggregation"]
+    rows.append(["fedavg + median", f"{med['seconds_per_round']:.3f}",
+                 f"{med['vs_fedavg']:.2f}x",
+                 f"stacked outputs {med['stacked_outputs_mib']:.1f}", ""])
+    lines = [_describe(r["workload"]),
+             f"strategy {r['strategy']} (auto); training and aggregation, no evaluation; "
+             "each algorithm with its default options"]
+    return "Algorithms on the MLP bench", lines, header, rows
 
 
 def _profile_block(results: Results) -> tuple:

@@ -45,7 +45,7 @@ from fedjax_pan.engine.execution import VmapExecutor
 
 PyTree = Any
 Log = Callable[[str], None]
-SECTIONS = ("mlp", "padding", "vgg", "scaling", "profile")
+SECTIONS = ("mlp", "padding", "vgg", "scaling", "profile", "algorithms")
 MLP_PARAMS = 2_913_290  # 784-1024-1024-1024-10
 
 
@@ -682,8 +682,65 @@ def profile_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
     return {"batch_size": settings.batch_size, "rows": rows}
 
 
+def _tree_bytes(tree: PyTree) -> int:
+    return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
+
+
+def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+    """The MLP bench round (training and aggregation, no evaluation) per registered
+    algorithm with its default options, relative to FedAvg; the memory each keeps per
+    client (all K) and a stacked aggregation rule's buffer (M outputs)."""
+    from fedjax_pan import algorithms as algo_lib
+    from fedjax_pan.algorithms import registry
+    from fedjax_pan.defaults import default_config
+
+    w = mlp_workload(settings, settings.mlp_clients)
+    m_per = settings.mlp_per_round
+    cfg = default_config()
+    client_tx = client_optimizer(settings.learning_rate, settings.momentum, 0.0, None)
+    server_tx = registry.server_optimizer("sgd", 1.0)
+    strategy = resolve_strategy("auto", w.variables)
+    out: Dict[str, Any] = {}
+    for name, entry in registry.ALGORITHMS.items():
+        with cfg.unlocked():
+            cfg.algorithm, cfg.optimizer.warmup = name, "none"
+            cfg.optimizer.lr = settings.learning_rate
+        algorithm = entry.build(w.model, cfg, client_tx, server_tx)
+        ex = make_executor(strategy, algorithm, w.work, w.data, w.variables, m_per)
+        sim = Simulation(algorithm, w.data, w.work, ex, m_per / w.data.num_clients,
+                         seed=settings.seed)
+        m = time_engine(sim, w.variables, None, settings.warmup, settings.reps,
+                        settings.slow_round_s)
+        rec = summarize(m, w.flops_per_example, ceiling)
+        state = sim.init(w.variables)
+        rec = {"seconds_per_round": rec["seconds_per_round"], "reps": rec["reps"],
+               "compiles_timed": rec["compiles_timed"],
+               "client_state_mib": _tree_bytes(state.client_states) / 2**20,
+               "server_state_mib": _tree_bytes(state.server) / 2**20}
+        out[name] = rec
+        log(f"[algorithms] {name}: {rec['seconds_per_round']:.3f} s/round, client state "
+            f"{rec['client_state_mib']:.1f} MiB")
+    for rec in out.values():
+        rec["vs_fedavg"] = rec["seconds_per_round"] / out["fedavg"]["seconds_per_round"]
+    # A stacked rule (median) keeps every sampled client's output: M FedAvg deltas.
+    stacked = algo_lib.fedavg(w.model, client_tx)._replace(aggregator=algo_lib.median())
+    ex = make_executor(strategy, stacked, w.work, w.data, w.variables, m_per)
+    sim = Simulation(stacked, w.data, w.work, ex, m_per / w.data.num_clients,
+                     seed=settings.seed)
+    m = time_engine(sim, w.variables, None, settings.warmup, settings.reps,
+                    settings.slow_round_s)
+    median = {"seconds_per_round": summarize(m, w.flops_per_example, ceiling)[
+        "seconds_per_round"], "stacked_outputs_mib": m_per * _tree_bytes(w.variables) / 2**20}
+    median["vs_fedavg"] = median["seconds_per_round"] / out["fedavg"]["seconds_per_round"]
+    log(f"[algorithms] fedavg + median: {median['seconds_per_round']:.3f} s/round, "
+        f"{median['stacked_outputs_mib']:.1f} MiB of stacked outputs")
+    return {"strategy": strategy, "workload": w.describe(m_per), "algorithms": out,
+            "median_aggregation": median}
+
+
 SECTION_FUNCTIONS = {"mlp": mlp_section, "padding": padding_section, "vgg": conv_section,
-                     "scaling": scaling_section, "profile": profile_section}
+                     "scaling": scaling_section, "profile": profile_section,
+                     "algorithms": algorithms_section}
 
 
 def run_suite(settings: Settings, only: Sequence[str] = SECTIONS,

@@ -102,6 +102,20 @@ def _normalized(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset,
     return arrays
 
 
+def _check_shuffleable(algorithm: Any, variables: Any, num_classes: int, name: str) -> None:
+    # Alg. 2 permutes a local model in place: the local state must be one (params and
+    # model_state); per-client extras (control variates, previous models) would also need
+    # permuting, which no algorithm declares yet.
+    ctx = algorithms.ClientContext(jax.random.PRNGKey(0), jnp.int32(1), jnp.int32(1),
+                                   jnp.int32(0), jnp.int32(0), jnp.zeros(num_classes))
+    server = jax.eval_shape(algorithm.server_init, variables)
+    local = jax.eval_shape(lambda s: algorithm.client_init(
+        s, algorithm.client_state_init(s), ctx), server)
+    _check(hasattr(local, "params") and hasattr(local, "model_state"),
+           f"config.shuffle.n_sf > 0 (Alg. 2) needs a local state that is a model; "
+           f"algorithm {name!r} keeps {type(local).__name__}: set shuffle.n_sf=0")
+
+
 def build(cfg: ml_collections.ConfigDict,
           cache: Optional[Dict[Any, data_lib.Dataset]] = None) -> Experiment:
     """Everything a run needs, from a config (validated here); `cache` shares loaded data."""
@@ -134,6 +148,7 @@ def build(cfg: ml_collections.ConfigDict,
     except ValueError as e:
         raise ConfigError(f"config.{cfg.algorithm}: {e}") from None
     if cfg.shuffle.n_sf > 0:
+        _check_shuffleable(algorithm, variables, ds.num_classes, cfg.algorithm)
         spec = permutation.spec_for(model, variables)
         algorithm = with_shuffling(algorithm, spec, cfg.shuffle.p_sf, cfg.shuffle.n_sf,
                                    cfg.shuffle.window)

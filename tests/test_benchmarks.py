@@ -68,8 +68,16 @@ def _engine_configs(results):
 def test_every_section_is_present(quick):
     _, results, _ = quick
     for section in ("meta", "settings", "matmul", "mlp", "padding", "vgg", "scaling",
-                    "profile", "compiles", "memory", "targets", "total_seconds"):
+                    "profile", "algorithms", "compiles", "memory", "targets", "total_seconds"):
         assert section in results, section
+    from fedjax_pan.algorithms import ALGORITHMS
+    algos = results["algorithms"]["algorithms"]
+    assert set(algos) == set(ALGORITHMS) and algos["fedavg"]["vs_fedavg"] == 1.0
+    # Stateful algorithms keep one parameter-sized state per client; FedAvg keeps none.
+    assert algos["fedavg"]["client_state_mib"] == 0.0
+    assert algos["scaffold"]["client_state_mib"] == pytest.approx(
+        results["algorithms"]["workload"]["num_clients"] *
+        results["algorithms"]["workload"]["params"] * 4 / 2**20)
     assert set(results["mlp"]["strategies"]) >= {"loop", "vmap"}
     assert "naive" in results["mlp"] and "naive" in results["padding"]
     assert any("unbucketed" in k for k in results["padding"]["configs"])
@@ -133,10 +141,11 @@ def test_suite_records_engine_naive_agreement(quick):
 def test_targets_and_reports_are_written(quick):
     out, results, stdout = quick
     names = [t["name"] for t in results["targets"]]
-    assert len(names) == 5 and all(t["status"] in ("PASS", "MISS") for t in results["targets"])
+    assert len(names) == 9 and all(t["status"] in ("PASS", "MISS") for t in results["targets"])
     markdown = (out / "RESULTS.md").read_text()
     for needle in ["# Benchmark results", "## Targets", "## MLP bench", "## Scaling",
                    "## What stands between the MLP step and the matmul ceiling",
+                   "## Algorithms on the MLP bench",
                    "- commit:", "- machine:", "jax " + results["meta"]["jax"]]:
         assert needle in markdown, needle
     assert all(name in markdown and name in stdout for name in names)

@@ -166,3 +166,29 @@ def test_bad_arguments_give_one_error_line(tmp_path, capsys, argv, word):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and word in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_universal_runs_every_algorithm_with_and_without_pans(tmp_path):
+    from experiments import universal
+    from fedjax_pan import experiment
+    for preset in ("cpu", "paper"):  # every run of the long presets is a valid config
+        s = universal.PRESETS[preset]
+        for algorithm in s.algorithms:
+            for pan in s.pans:
+                experiment.validate(universal.run_config(s, algorithm, pan, 0))
+    out = str(tmp_path / "u")
+    assert universal.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    runs = common.read_csv(os.path.join(out, "universal_runs.csv"))
+    assert {(r["algorithm"], r["pan"]) for r in runs} == {
+        (a, p) for a in universal.ALGORITHMS for p in ("off", "panmul0.1")}
+    table = common.read_csv(os.path.join(out, "universal.csv"))
+    for row in table:
+        mine = [float(r["final_accuracy"]) for r in runs
+                if (r["algorithm"], r["pan"]) == (row["algorithm"], row["pan"])]
+        assert float(row["mean"]) == pytest.approx(np.mean(mine))
+        summary = _json(os.path.join(out, "runs", f"{row['algorithm']}_{row['pan']}_s0",
+                                     "summary.json"))
+        assert summary["rounds"] == 2
+    pairs = universal.best_vs_off([{**r, "mean": float(r["mean"])} for r in table])
+    assert set(pairs) == set(universal.ALGORITHMS)
+    assert os.path.getsize(os.path.join(out, "fig9_universal.png")) > 10_000

@@ -12,7 +12,6 @@ import shutil
 import sys
 
 import nbformat
-import pytest
 from nbclient import NotebookClient
 
 from conftest import ROOT, needs_fmnist

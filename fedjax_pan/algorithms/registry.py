@@ -15,8 +15,11 @@ import optax
 from fedjax_pan.algorithms import core
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.algorithms.feddyn import ENTRY as FEDDYN
 from fedjax_pan.algorithms.fedprox import ENTRY as FEDPROX
 from fedjax_pan.algorithms.local import client_optimizer
+from fedjax_pan.algorithms.moon import ENTRY as MOON
+from fedjax_pan.algorithms.scaffold import ENTRY as SCAFFOLD
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
 AGGREGATION_RULES = ("mean", "median", "trimmed_mean")
@@ -43,6 +46,9 @@ def _fedavg(model, cfg, client_tx, server_tx):
 ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "fedavg": AlgorithmEntry(_fedavg, {}, {}),
     "fedprox": FEDPROX,
+    "scaffold": SCAFFOLD,
+    "moon": MOON,
+    "feddyn": FEDDYN,
 }
 
 

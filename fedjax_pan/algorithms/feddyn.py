@@ -1,0 +1,147 @@
+"""FedDyn (Acar et al., ICLR 2021, Algorithm 1): each client's objective is corrected by a
+linear term so that, at a fixed point, the clients' local optima agree with the global one.
+
+Client k holds g_k, the gradient of its loss at its last local model (zeros at first).
+Sampled in round t, it trains from the broadcast theta^{t-1} on
+
+    L_k(theta) - <g_k, theta> + alpha/2 ||theta - theta^{t-1}||^2,
+
+reaching theta_k^t, and then (first-order condition of that objective)
+
+    g_k <- g_k - alpha (theta_k^t - theta^{t-1}).
+
+The server holds theta and h (zeros at first):
+
+    h^t     = h^{t-1} - alpha/K * sum_{k in S} (theta_k^t - theta^{t-1})
+    theta^t = mean_{k in S} theta_k^t - h^t / alpha.
+
+The clients send delta_k = theta_k^t - theta^{t-1}; the sum over S is |S| times the
+engine's mean, which holds for uniform weights only: FedDyn assumes
+aggregation.weights 'uniform' and rule 'mean' (`from_config` refuses others). Server
+optimisers do not apply. The term -<g_k, theta> + alpha/2 ||...||^2 is logged as
+`train_dyn`. Warm-up and BN handling (averaged, or per client) are FedAvg's.
+
+alpha -> 0 is *not* FedAvg: the clients' local models tend to FedAvg's, but
+h^t / alpha = -(|S|/K) * sum_{r<=t} mean_S(delta^r) does not vanish, so the server adds
+the running sum of all past mean updates to FedAvg's step, like heavy-ball momentum
+without decay: round 1 (h = 0) moves theta by (1 + |S|/K) times the clients' mean delta,
+where FedAvg moves it by 1 times.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, NamedTuple, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.fedavg import ServerState, fedavg
+from fedjax_pan.algorithms.fedprox import proximal_term
+from fedjax_pan.rules import between
+
+PyTree = Any
+tree_map = jax.tree_util.tree_map
+OPTIONS = {"alpha": 0.01}
+RULES = {"alpha": between(0, lo_open=True)}
+
+
+class FedDynServer(NamedTuple):
+    base: ServerState  # theta (params), the BN statistics, the round
+    h: PyTree
+
+
+class ClientState(NamedTuple):
+    """What a client keeps between its rounds."""
+
+    grad: PyTree  # g_k
+    model_state: Optional[Dict[str, PyTree]]  # its own BN statistics (bn='local'), else None
+
+
+class FedDynLocal(NamedTuple):
+    """A client's working state during a round."""
+
+    train: local_lib.LocalState
+    grad: PyTree  # g_k, fixed during the round
+
+
+def linear_term(grad: PyTree, params: PyTree) -> jax.Array:
+    """<grad, params> over all leaves."""
+    return sum(jnp.vdot(g, p) for g, p in zip(jax.tree_util.tree_leaves(grad),
+                                             jax.tree_util.tree_leaves(params)))
+
+
+def feddyn(model: nn.Module, client_tx: optax.GradientTransformation, *, alpha: float = 0.01,
+           warmup: str = "none", warmup_length: int = 0, bn: str = "mean",
+           loss: local_lib.LossSum = local_lib.masked_cross_entropy) -> FederatedAlgorithm:
+    """FedDyn for a flax `model`, under uniform aggregation weights (see the module doc)."""
+    if not alpha > 0:
+        raise ValueError(f"FedDyn needs alpha > 0 (the server divides by it), got {alpha}")
+    # The server step theta + (mean delta - h/alpha) is FedAvg's with sgd(1).
+    base = fedavg(model, client_tx, optax.sgd(1.0), warmup=warmup,
+                  warmup_length=warmup_length, bn=bn, loss=loss)
+
+    def server_init(variables):
+        server = base.server_init(variables)
+        return FedDynServer(server, tree_map(jnp.zeros_like, server.params))
+
+    def client_state_init(server):
+        return ClientState(tree_map(jnp.zeros_like, server.base.params),
+                           base.client_state_init(server.base))
+
+    def client_init(server, client_state, ctx):
+        train = base.client_init(server.base, client_state.model_state, ctx)
+        return FedDynLocal(train, client_state.grad)
+
+    def client_step(local, batch, server):
+        def dynamic(params, train, batch, outputs):
+            del train, outputs
+            term = (proximal_term(params, server.base.params, alpha, "l2")
+                    - linear_term(local.grad, params))
+            return term, {"dyn_sum": term * jnp.sum(batch["mask"])}
+        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch, warmup,
+                                            warmup_length, extra_loss=dynamic, loss=loss)
+        return local._replace(train=train), metrics
+
+    def client_output(local, server):
+        output, bn_state = base.client_output(local.train, server.base)  # theta_k - theta
+        grad = tree_map(lambda g, d: g - alpha * d, local.grad, output["delta"])
+        return output, ClientState(grad, bn_state)
+
+    def server_update(server, mean_output, info):
+        fraction = info.client_ids.shape[0] / info.num_clients  # |S| / K: sum_S = |S| mean_S
+        mean_delta = mean_output["delta"]
+        h = tree_map(lambda h, d: h - alpha * fraction * d, server.h, mean_delta)
+        step = tree_map(lambda d, h: d - h / alpha, mean_delta, h)  # theta^t - theta^{t-1}
+        theta = base.server_update(server.base, {**mean_output, "delta": step}, info)
+        return FedDynServer(theta, h)
+
+    def eval_variables(server):
+        return base.eval_variables(server.base)
+
+    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
+                              client_output, server_update, eval_variables)
+
+
+def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
+    del server_tx  # FedDyn's server update is its own
+    server, agg = cfg.server, cfg.aggregation
+    if (server.optimizer, server.lr, server.momentum) != ("sgd", 1.0, 0.0):
+        raise ValueError("FedDyn has its own server update: leave config.server at sgd, "
+                         "lr 1, momentum 0")
+    if (agg.weights, agg.rule) != ("uniform", "mean"):
+        raise ValueError(f"FedDyn sums over the sampled clients as |S| times their mean, "
+                         f"so it needs aggregation.weights 'uniform' and rule 'mean', got "
+                         f"{agg.weights!r} and {agg.rule!r}")
+    return feddyn(model, client_tx, alpha=cfg.feddyn.alpha, warmup=cfg.optimizer.warmup,
+                  warmup_length=cfg.optimizer.warmup_length, bn=agg.bn)
+
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+
+__all__ = ["feddyn", "linear_term", "FedDynServer", "ClientState", "FedDynLocal",
+           "OPTIONS", "RULES", "ENTRY"]
