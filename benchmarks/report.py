@@ -135,7 +135,7 @@ def _blocks(results: Results) -> List[tuple]:
         blocks.append((f"Padding ({r['dataset']}, Dirichlet alpha={r['alpha']:g})", [
             _describe(r["workload"]),
             "bucketed = clients sorted by step count (library); unbucketed = cohort order; "
-            "a single group (G = clients per round) cannot gain from sorting",
+            "a single block (G = clients per round) cannot gain from sorting",
             "the naive loop compiles its step anew for every new short-batch size; its timed "
             "rounds include those compilations (compiles column)"], header, rows))
     for key, r in results.get("vgg", {}).items():

@@ -96,7 +96,7 @@ class Settings:
     padding_per_round: int = 10
     padding_epochs: int = 5
     padding_alpha: float = 0.1
-    padding_group_sizes: Tuple[int, ...] = (5,)
+    padding_block_sizes: Tuple[int, ...] = (5,)
     padding_reps: int = 2
     padding_cohorts: int = 100  # cohorts sampled for the expected efficiency
     # Convnets.
@@ -124,7 +124,7 @@ def make_settings(suite: str = "cpu", quick: bool = False,
             mlp_clients=10, mlp_examples=64, mlp_per_round=10, mlp_epochs=1,
             test_examples=500, eval_batch_size=250, naive_reps=r,
             padding_dataset="synthetic", padding_clients=10, padding_per_round=5,
-            padding_epochs=1, padding_group_sizes=(2,), padding_reps=1, padding_cohorts=20,
+            padding_epochs=1, padding_block_sizes=(2,), padding_reps=1, padding_cohorts=20,
             conv=conv, slow_round_s=5.0, scaling_per_round=(2, 5, 10), scaling_reps=1)
     r = reps or 3
     conv = (
@@ -246,9 +246,9 @@ class Workload:
         return sim
 
     def executor(self, strategy: str, per_round: int, settings: Settings,
-                 group_size: Optional[int] = None) -> Any:
+                 block_size: Optional[int] = None) -> Any:
         return make_executor(strategy, self.algorithm, self.work, self.data, self.variables,
-                             per_round, group_size=group_size)
+                             per_round, block_size=block_size)
 
     def evaluator(self, batch_size: int) -> Callable[[PyTree], Dict[str, Any]]:
         return make_evaluator(self.model, self.test_images, self.test_labels,
@@ -541,17 +541,17 @@ def mlp_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
 
 
 class CohortOrderVmapExecutor(VmapExecutor):
-    """VmapExecutor without step-count bucketing: groups follow the cohort's order."""
+    """VmapExecutor without step-count bucketing: blocks follow the cohort's order."""
 
-    def groups(self, steps: np.ndarray) -> list:
+    def blocks(self, steps: np.ndarray) -> list:
         n = len(steps)
-        padded = np.full(math.ceil(n / self.group_size) * self.group_size, -1)
+        padded = np.full(math.ceil(n / self.block_size) * self.block_size, -1)
         padded[:n] = np.arange(n)
-        return list(padded.reshape(-1, self.group_size))
+        return list(padded.reshape(-1, self.block_size))
 
 
 def _unbucketed(executor: VmapExecutor) -> CohortOrderVmapExecutor:
-    # Same fields as the library-built executor, only the grouping differs.
+    # Same fields as the library-built executor, only the blocks differ.
     return CohortOrderVmapExecutor(**{f.name: getattr(executor, f.name)
                                       for f in dataclasses.fields(executor)})
 
@@ -572,9 +572,9 @@ def _padding_data(settings: Settings, log: Log) -> Tuple[data_lib.Dataset, str]:
 def padding_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
     """Unequal clients (Dirichlet by client): padding efficiency and time per configuration.
 
-    'vmap' is the library's default grouping; 'vmap G=g' fixes the group size, bucketed
+    'vmap' is the library's default blocks; 'vmap G=g' fixes the block size, bucketed
     (sorted by step count, the library) or unbucketed (cohort order, this module's
-    subclass). With g = clients per round there is one group, so sorting cannot help.
+    subclass). With g = clients per round there is one block, so sorting cannot help.
     """
     ds, name = _padding_data(settings, log)
     parts = data_lib.partition(ds.train_labels, settings.padding_clients,
@@ -587,8 +587,8 @@ def padding_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
                       flops_per_example=6.0 * MLP_PARAMS)
     m_per = settings.padding_per_round
     executors = {s: w.executor(s, m_per, settings) for s in strategies()}
-    for g in sorted(set(settings.padding_group_sizes) | {m_per}):
-        bucketed = w.executor("vmap", m_per, settings, group_size=g)
+    for g in sorted(set(settings.padding_block_sizes) | {m_per}):
+        bucketed = w.executor("vmap", m_per, settings, block_size=g)
         if g < m_per:
             executors[f"vmap G={g} bucketed"] = bucketed
         executors[f"vmap G={g} unbucketed"] = _unbucketed(bucketed)
@@ -600,7 +600,7 @@ def padding_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
         m = time_engine(sim, w.variables, evaluate, settings.warmup, settings.padding_reps,
                         settings.slow_round_s)
         rec = summarize(m, w.flops_per_example, ceiling)
-        rec["group_size"] = getattr(ex, "group_size", 1)
+        rec["block_size"] = getattr(ex, "block_size", 1)
         rec["expected_padding_efficiency"] = _expected_efficiency(
             w, sim, ex, settings.padding_cohorts)
         configs[label] = rec

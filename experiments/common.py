@@ -22,7 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import sys
 import time
 from typing import (Any, Callable, Dict, Iterable, List, Mapping, NoReturn, Optional, Sequence,
@@ -79,17 +78,14 @@ def parse_args(argv: Optional[Sequence[str]], prog: str, description: str,
     return args
 
 
-def prepare_out(path: str, overwrite: bool) -> str:
-    """Creates `path`; a non-empty one is refused unless `overwrite` (then emptied)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise UsageError(f"--out {path!r} exists and is not a folder")
-    if os.path.isdir(path) and os.listdir(path):
-        if not overwrite:
-            raise UsageError(f"output folder {path!r} is not empty; pass --overwrite to "
-                             "replace its contents")
-        shutil.rmtree(path)
-    os.makedirs(path, exist_ok=True)
-    return path
+def check_out(path: str, overwrite: bool) -> None:
+    """The library's workdir check: a non-empty `path` is refused unless `overwrite`."""
+    from fedjax_pan import workdir
+    from fedjax_pan.errors import ConfigError
+    try:
+        workdir.check(path, resume=False, overwrite=overwrite)
+    except ConfigError as e:
+        raise UsageError(str(e).replace("--resume to continue or ", "")) from None
 
 
 def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
@@ -100,28 +96,36 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
     Returns the exit status (0, or 2 after one `error:` line for bad input).
     """
     from fedjax_pan import data as data_lib
-    from fedjax_pan.experiment import ConfigError
+    from fedjax_pan import workdir
+    from fedjax_pan.errors import RunError
 
     description = (doc or "").strip()
     try:
         args = parse_args(argv, f"python -m experiments.{module}", description, presets)
-        prepare_out(args.out, args.overwrite)
-    except UsageError as e:
+        check_out(args.out, args.overwrite)
+    except (UsageError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "status", 2)
     ctx = Context(args.out, args.seed, args.preset, args.progress)
     settings = presets[args.preset]
     start = time.time()
     try:
-        lines = run(settings, ctx)
-    except (data_lib.DataError, ConfigError) as e:  # e.g. Fashion-MNIST not installed
+        # The library's workdir semantics: --overwrite replaces the old results only once
+        # this run has written its own.
+        with workdir.claim(args.out, overwrite=args.overwrite):
+            lines = run(settings, ctx)
+            seconds = time.time() - start
+            write_json(ctx.path("run_info.json"), {
+                "script": module, "preset": args.preset, "seed": args.seed,
+                "seconds": seconds,
+                "settings": dataclasses.asdict(settings) if dataclasses.is_dataclass(settings)
+                else settings})
+    except data_lib.DataError as e:  # e.g. Fashion-MNIST not installed
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    seconds = time.time() - start
-    write_json(ctx.path("run_info.json"), {
-        "script": module, "preset": args.preset, "seed": args.seed, "seconds": seconds,
-        "settings": dataclasses.asdict(settings) if dataclasses.is_dataclass(settings)
-        else settings})
+    except RunError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.status
     for line in lines:
         print(line)
     print(f"{module} ({args.preset}): {seconds:.1f} s, results in {args.out}")
@@ -245,19 +249,14 @@ def load_data(name: str, seed: int = 0, train_limit: Optional[int] = None,
     if name == "synthetic":
         ds = data_lib.synthetic(train_limit or 1000, test_limit or 200, seed=seed)
     else:
-        ds = data_lib.load(name)
-    rng = np.random.default_rng(seed)
+        ds = data_lib.subset(data_lib.load(name), train_limit, test_limit, seed)
 
-    def subset(x: np.ndarray, y: np.ndarray, limit: Optional[int]):
-        if limit and limit < len(y):
-            keep = np.sort(rng.permutation(len(y))[:limit])
-            x, y = x[keep], y[keep]
-        return data_lib.normalize(x, name) if name in data_lib.NORMALIZATION else x, y
+    def normalized(x: np.ndarray) -> np.ndarray:
+        x = data_lib.normalize(x, name) if name in data_lib.NORMALIZATION else x
+        return np.asarray(x, np.float32)
 
-    train_x, train_y = subset(ds.train_images, ds.train_labels, train_limit)
-    test_x, test_y = subset(ds.test_images, ds.test_labels, test_limit)
-    return ArrayData(name, np.asarray(train_x, np.float32), train_y,
-                     np.asarray(test_x, np.float32), test_y, ds.num_classes)
+    return ArrayData(name, normalized(ds.train_images), ds.train_labels,
+                     normalized(ds.test_images), ds.test_labels, ds.num_classes)
 
 
 # ----------------------------------------------------------------------------------------
@@ -365,20 +364,16 @@ def fl_config(setup: FLSetup, pan: Pan, seed: int):
 
 def train_fl(cfg: Any, show_progress: bool = True, desc: str = "FL"
              ) -> Tuple[Any, Any, Dict[str, Any]]:
-    """Runs cfg.rounds FedAvg rounds; returns (experiment, state, info) with info
-    {"train_loss": per round, "test_accuracy": of the final global model}."""
+    """Runs cfg.rounds rounds with the library's loop (no workdir); returns (experiment,
+    state, info) with info {"train_loss": per round, "test_accuracy": final global model}."""
     from fedjax_pan import experiment
 
     exp = experiment.build(cfg)
-    state = exp.simulation.init(exp.variables)
-    losses = []
-    for _ in progress(range(cfg.rounds), show_progress, desc):
-        state, stats = exp.simulation.round(state)
-        losses.append(float(stats["train_loss"]))
-        if not math.isfinite(losses[-1]):
-            raise RuntimeError(f"{desc}: training loss became {losses[-1]} in round {state.round}")
+    state, history = experiment.train_rounds(exp, exp.simulation.init(exp.variables),
+                                             cfg.rounds, progress=show_progress, desc=desc)
     accuracy = float(exp.evaluate(global_variables(exp, state))["accuracy"])
-    return exp, state, {"train_loss": losses, "test_accuracy": accuracy}
+    return exp, state, {"train_loss": [float(h["train_loss"]) for h in history],
+                        "test_accuracy": accuracy}
 
 
 def global_variables(exp: Any, state: Any) -> PyTree:

@@ -11,7 +11,8 @@ Presets:
   paper  H = 1000 rounds, all four PAN settings, 3 seeds (an accelerator's work)
   cpu    H = 30 rounds, A = 0 vs PANx A = 0.1, 2 seeds: about an hour on 2 CPU cores
   default  the cpu preset
-  smoke  synthetic data, a 16-wide MLP, K = 6, 2 rounds, A = 0 vs PANx A = 0.1, 1 seed
+  smoke  FedAvg and MOON, synthetic data, a 16-wide MLP, K = 6, 2 rounds, A = 0 vs PANx
+         A = 0.1, 1 seed
 Outputs: universal_runs.csv (one row per run), universal.csv (mean/std per algorithm and PAN
 setting), universal.json, fig9_universal.png.
 """
@@ -59,8 +60,10 @@ PRESETS = MappingProxyType({
     "paper": Settings(rounds=1000, seeds=(0, 1, 2), pans=PAN_SETTINGS),
     "cpu": Settings(),
     "default": Settings(),
-    "smoke": Settings(rounds=2, seeds=(0,), dataset="synthetic", num_clients=6,
-                      hidden=(16, 16, 16)),
+    # Two algorithms (one stateful) keep the test quick; every algorithm's config run is
+    # tested with the library (tests/test_experiment.py, tests/test_fedprox.py).
+    "smoke": Settings(rounds=2, seeds=(0,), algorithms=("fedavg", "moon"),
+                      dataset="synthetic", num_clients=6, hidden=(16, 16, 16)),
 })
 
 

@@ -38,7 +38,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.aggregation = ml_collections.ConfigDict({"weights": "uniform", "bn": "mean",
                                                "rule": "mean", "trim": 0.1})
     c.execution = ml_collections.ConfigDict({"strategy": "auto",
-                                             "group_size": placeholder(int)})
+                                             "block_size": placeholder(int)})
     # local: also log each client's expected accuracy on a test set with its label mix.
     c.eval = ml_collections.ConfigDict({"every": 1, "batch_size": 1000, "local": False})
     # Alg. 2: shuffle hidden neurons during local training, N_sf times per round expected.

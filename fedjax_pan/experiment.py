@@ -31,7 +31,7 @@ from fedjax_pan.engine.simulation import SimState
 from fedjax_pan.errors import ConfigError, Interrupted, TrainingDiverged, WorkdirError
 
 __all__ = ["ConfigError", "TrainingDiverged", "WorkdirError", "Interrupted", "Experiment",
-           "validate", "build", "train", "run", "summarize", "format_table"]
+           "validate", "build", "train", "train_rounds", "run", "summarize", "format_table"]
 
 # Keys that may change when resuming (to extend a run or change its reporting cadence).
 RESUMABLE_CHANGES = ("rounds", "eval", "checkpoint_every", "max_train_loss")
@@ -76,10 +76,8 @@ def _load_dataset(cfg: ml_collections.ConfigDict,
             ds = data_lib.load(d.name, data_dir=d.data_dir)
         except data_lib.DataError as e:
             raise ConfigError(str(e)) from None
-    if d.train_limit:  # a cap: a limit above the dataset's size keeps it whole
-        keep = np.sort(np.random.default_rng(cfg.seed).permutation(ds.num_train)[:d.train_limit])
-        ds = dataclasses.replace(ds, train_images=ds.train_images[keep],
-                                 train_labels=ds.train_labels[keep])
+    # A cap: a limit above the dataset's size keeps it whole.
+    ds = data_lib.subset(ds, d.train_limit, None, cfg.seed)
     if cache is not None:
         cache[key] = ds
     return ds
@@ -156,7 +154,7 @@ def build(cfg: ml_collections.ConfigDict,
     strategy = resolve_strategy(cfg.execution.strategy, variables)
     try:
         executor = make_executor(strategy, algorithm, work, client_data, variables, sim_m,
-                                 cfg.execution.group_size)
+                                 cfg.execution.block_size)
     except ValueError as e:
         raise ConfigError(f"config.execution: {e}") from None
     simulation = Simulation(algorithm, client_data, work, executor, cfg.participation,
@@ -253,6 +251,33 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
         return _train(exp, workdir, resume=resume, progress=progress, desc=desc)
 
 
+def _divergence(loss: float, cfg: ml_collections.ConfigDict) -> Optional[str]:
+    """What is wrong with a round's training loss (None: nothing)."""
+    if math.isfinite(loss) and loss <= cfg.max_train_loss:
+        return None
+    why = ("is not finite" if not math.isfinite(loss) else
+           f"exceeds config.max_train_loss={cfg.max_train_loss:g}")
+    return f"training loss {loss:.4g} {why}"
+
+
+def train_rounds(exp: Experiment, state: SimState, rounds: int, *, progress: bool = True,
+                 desc: str = "rounds") -> tuple:
+    """`rounds` more rounds of `exp` without a workdir (analyses, notebooks): the new state
+    and each round's statistics. Stops with TrainingDiverged as `train` does."""
+    from tqdm.auto import tqdm
+
+    history = []
+    for _ in tqdm(range(rounds), desc=desc, disable=not progress, leave=False,
+                  dynamic_ncols=True):
+        new_state, stats = exp.simulation.round(state)
+        why = _divergence(stats["train_loss"], exp.config)
+        if why:
+            raise TrainingDiverged(f"training diverged in round {new_state.round}: {why}")
+        state = new_state
+        history.append(stats)
+    return state, history
+
+
 class _Run:
     """One process's share of a run: counters on top of those restored from a checkpoint."""
 
@@ -324,17 +349,15 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                 t0 = time.time()
                 new_state, stats = exp.simulation.round(state)
                 loss, r = stats["train_loss"], new_state.round
-                if not math.isfinite(loss) or loss > cfg.max_train_loss:
+                why = _divergence(loss, cfg)
+                if why:
                     if state.round > last_saved:
                         save(state)
                     kept = (f"the last good checkpoint (round {last_saved}) is kept in "
                             f"{ckpt.directory}" if last_saved else
                             "no round completed, so nothing was kept")
-                    why = ("is not finite" if not math.isfinite(loss) else
-                           f"exceeds config.max_train_loss={cfg.max_train_loss:g}")
-                    raise TrainingDiverged(
-                        f"training diverged in round {r}: training loss {loss:.4g} {why}; "
-                        f"{kept}; lower optimizer.lr or optimizer.grad_clip")
+                    raise TrainingDiverged(f"training diverged in round {r}: {why}; {kept}; "
+                                           "lower optimizer.lr or optimizer.grad_clip")
                 row = None
                 if r % cfg.eval.every == 0 or r == cfg.rounds:
                     ev = exp.evaluate(exp.simulation.algorithm.eval_variables(new_state.server))

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Optional, Union
 
-import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
@@ -101,16 +100,3 @@ def apply_pan(x: jnp.ndarray, config: Optional[PANConfig]) -> jnp.ndarray:
         return x
     enc = encoding(x.shape[-1], config.kind, config.period, config.amplitude, config.ratio)
     return apply_encoding(x, enc, config.kind)
-
-
-class PAN(nn.Module):
-    """Applies a PAN encoding to a pre-activation; the identity when disabled.
-
-    Holds no variables, so adding or removing PANs never changes a parameter tree.
-    """
-
-    config: Optional[PANConfig] = None
-
-    @nn.compact
-    def __call__(self, x: jnp.ndarray) -> jnp.ndarray:
-        return apply_pan(x, self.config)

@@ -79,7 +79,7 @@ RULES: Dict[str, Rule] = {
     "aggregation.rule": one_of(AGGREGATION_RULES),
     "aggregation.trim": between(0, 0.5, hi_open=True),
     "execution.strategy": one_of(STRATEGIES),
-    "execution.group_size": between(1, integer=True, optional=True),
+    "execution.block_size": between(1, integer=True, optional=True),
     "eval.every": between(1, integer=True),
     "eval.batch_size": between(1, integer=True),
     "eval.local": Rule(boolean),

@@ -180,14 +180,14 @@ def _setup():
     return images, labels, parts, model, variables, algorithm
 
 
-@pytest.mark.parametrize("strategy,group_size", [("loop", None), ("vmap", None),
+@pytest.mark.parametrize("strategy,block_size", [("loop", None), ("vmap", None),
                                                  ("vmap", 2)])
-def test_naive_round_matches_engine_round(strategy, group_size):
+def test_naive_round_matches_engine_round(strategy, block_size):
     images, labels, parts, model, variables, algorithm = _setup()
     data = ClientData.create(images, labels, parts)
     work = LocalWork(BATCH, EPOCHS)
     executor = make_executor(strategy, algorithm, work, data, variables, 4,
-                             group_size=group_size)
+                             block_size=block_size)
     sim = Simulation(algorithm, data, work, executor, 4 / len(SIZES), seed=3)
     state = sim.init(variables)
     cohort = sim.cohort(state, 0)
@@ -209,11 +209,11 @@ def test_unbucketed_executor_keeps_cohort_order():
     images, labels, parts, _, variables, algorithm = _setup()
     data = ClientData.create(images, labels, parts)
     bucketed = make_executor("vmap", algorithm, LocalWork(BATCH, EPOCHS), data, variables, 5,
-                             group_size=2)
+                             block_size=2)
     unbucketed = suites._unbucketed(bucketed)
     steps = np.array([2, 9, 4, 9, 3])
-    assert [g.tolist() for g in unbucketed.groups(steps)] == [[0, 1], [2, 3], [4, -1]]
-    assert [g.tolist() for g in bucketed.groups(steps)] == [[1, 3], [2, 4], [0, -1]]
+    assert [g.tolist() for g in unbucketed.blocks(steps)] == [[0, 1], [2, 3], [4, -1]]
+    assert [g.tolist() for g in bucketed.blocks(steps)] == [[1, 3], [2, 4], [0, -1]]
     # Sorting pairs the long clients: fewer computed steps than the cohort order.
     sizes = data.sizes[:5]
     assert bucketed.computed_examples(sizes, steps) < unbucketed.computed_examples(sizes, steps)

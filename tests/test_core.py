@@ -120,11 +120,11 @@ def test_the_reference_tells_clients_the_same():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("rule", [core.median(), core.trimmed_mean(0.34)])
-def test_stacked_rules_give_the_same_numbers_under_every_strategy(rule):
+def test_stacked_rules_give_the_same_numbers_under_every_strategy():
+    # The rules themselves are checked against numpy above; here the stacking plumbing.
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg()
-    algo = algo._replace(aggregator=rule)
+    algo = algo._replace(aggregator=core.trimmed_mean(0.34))
     servers = {}
     for strategy, group in [("loop", None), ("vmap", 1), ("vmap", 2)]:
         ex = make_executor(strategy, algo, WORK, cd, variables, 3, group)

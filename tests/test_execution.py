@@ -22,8 +22,8 @@ SIZES = [27, 39, 19, 36, 62, 13]
 WORK = LocalWork(batch_size=8, epochs=1.5)
 
 
-def _run(strategy, algo, cd, variables, rounds=2, group_size=None, weights="num_examples"):
-    ex = make_executor(strategy, algo, WORK, cd, variables, 3, group_size=group_size)
+def _run(strategy, algo, cd, variables, rounds=2, block_size=None, weights="num_examples"):
+    ex = make_executor(strategy, algo, WORK, cd, variables, 3, block_size=block_size)
     sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation=weights, seed=7)
     state, losses = sim.init(variables), []
     for _ in range(rounds):
@@ -46,7 +46,7 @@ def _reference(sim, algo, cd, variables, rounds=2):
 def test_strategies_match_the_sequential_reference(norm):
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg(norm=norm, pan=PANConfig("mul", 1.0, 0.2))
-    runs = {f"{s}/{g}": _run(s, algo, cd, variables, group_size=g)
+    runs = {f"{s}/{g}": _run(s, algo, cd, variables, block_size=g)
             for s, g in [("loop", None), ("vmap", 1), ("vmap", 2), ("vmap", 3)]}
     sim = runs["loop/None"][0]
     ref_state, ref_losses = _reference(sim, algo, cd, variables)
@@ -61,7 +61,7 @@ def test_uniform_and_weighted_aggregation_both_match_reference():
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg()
     for weights in ["uniform", "num_examples"]:
-        sim, state, _ = _run("vmap", algo, cd, variables, group_size=2, weights=weights)
+        sim, state, _ = _run("vmap", algo, cd, variables, block_size=2, weights=weights)
         ref_state, _ = _reference(sim, algo, cd, variables)
         assert max_rel_err(state.server, ref_state.server) < 1e-5, weights
 
@@ -70,7 +70,7 @@ def test_no_recompilation_after_the_first_round():
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg()
     for strategy, g in [("loop", None), ("vmap", 1), ("vmap", 2)]:
-        ex = make_executor(strategy, algo, WORK, cd, variables, 3, group_size=g)
+        ex = make_executor(strategy, algo, WORK, cd, variables, 3, block_size=g)
         sim = Simulation(algo, cd, WORK, ex, participation=0.5, seed=1)
         state = sim.init(variables)
         with count_compiles() as first:
@@ -85,10 +85,10 @@ def test_no_recompilation_after_the_first_round():
 def test_vmap_bucketing_limits_padding():
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg()
-    ex = make_executor("vmap", algo, WORK, cd, variables, 6, group_size=2)
+    ex = make_executor("vmap", algo, WORK, cd, variables, 6, block_size=2)
     steps = WORK.num_steps(cd.sizes)  # [6, 8, 5, 8, 12, 3]
-    groups = [sorted(steps[g].tolist()) for g in ex.groups(steps)]
-    assert groups == [[8, 12], [6, 8], [3, 5]]  # sorted by step count
+    blocks = [sorted(steps[g].tolist()) for g in ex.blocks(steps)]
+    assert blocks == [[8, 12], [6, 8], [3, 5]]  # sorted by step count
     assert ex.computed_examples(cd.sizes, steps) == 2 * (12 + 8 + 5) * 8
 
 
@@ -103,14 +103,14 @@ def test_lone_clients_compute_short_last_batches_on_fewer_rows():
             13: 2 * 8 + 6}
     total = sum(rows[n] for n in cd.sizes)
     for strategy, g in [("loop", None), ("vmap", 1)]:
-        ex = make_executor(strategy, algo, WORK, cd, variables, 6, group_size=g)
+        ex = make_executor(strategy, algo, WORK, cd, variables, 6, block_size=g)
         sim = Simulation(algo, cd, WORK, ex, participation=1.0)
         _, stats = sim.round(sim.init(variables))
         assert stats["computed_examples"] == total, strategy
         # Padding rows: 27 and 19 one each (3 real on 4), 39 one (7 on 8), 13 one (5 on 6).
         assert stats["real_examples"] == total - 4, strategy
-    vmap2 = make_executor("vmap", algo, WORK, cd, variables, 6, group_size=2)
-    assert vmap2.computed_examples(cd.sizes, steps) > total  # lockstep groups pad
+    vmap2 = make_executor("vmap", algo, WORK, cd, variables, 6, block_size=2)
+    assert vmap2.computed_examples(cd.sizes, steps) > total  # lockstep blocks pad
 
 
 def test_loop_without_donation_gives_the_same_numbers():
@@ -157,12 +157,28 @@ SHARDED_SCRIPT = textwrap.dedent("""
     from test_execution import SIZES, _reference, _run
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg(norm="batch")
-    sim, state, losses = _run("sharded", algo, cd, variables, group_size=None)
-    assert sim.executor.group_size % 4 == 0 and sim.executor.mesh is not None
+    sim, state, losses = _run("sharded", algo, cd, variables, block_size=None)
+    assert sim.executor.block_size % 4 == 0 and sim.executor.mesh is not None
     ref_state, ref_losses = _reference(sim, algo, cd, variables)
     err = max_rel_err(state.server, ref_state.server)
     assert err < 1e-5, err
-    print("sharded ok", err)
+    # A stateful algorithm: the server and all K client states, against the reference.
+    import test_scaffold as sc
+    _, cd6 = tiny_clients(sc.SIZES)
+    sc_variables, _, scaffold = sc._tiny_scaffold()
+    sim, state = sc._run("sharded", scaffold, cd6, sc_variables)
+    ref = sc._reference(sim, scaffold, cd6, sc_variables)
+    err_s = max(max_rel_err(state.server, ref.server),
+                max_rel_err(state.client_states, ref.client_states))
+    assert err_s < 1e-5, err_s
+    # A stacked aggregation rule: every client's output gathered across the devices.
+    from fedjax_pan.algorithms import median
+    algo_m = algo._replace(aggregator=median())
+    sim, state, _ = _run("sharded", algo_m, cd, variables, rounds=1)
+    ref_m, _ = _reference(sim, algo_m, cd, variables, rounds=1)
+    err_m = max_rel_err(state.server, ref_m.server)
+    assert err_m < 1e-5, err_m
+    print("sharded ok", err, err_s, err_m)
 """)
 
 

@@ -261,3 +261,16 @@ def test_a_refused_workdir_costs_no_data_loading(tmp_path, monkeypatch):
     for preset in ("smoke", "compare"):
         with pytest.raises(experiment.ConfigError, match="not empty"):
             experiment.run(config(preset), str(tmp_path), progress=False)
+
+
+# FedDyn's per-client state is stored as Scaffold's is (a params-shaped tree per client).
+@pytest.mark.parametrize("algorithm", ["scaffold", "moon"])
+def test_stateful_algorithms_resume_exactly(tmp_path, algorithm):
+    """Per-client state (control variates, previous models, gradients) goes through the
+    checkpoint: 2 rounds + resume to 4 equals 4 rounds in one go."""
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    cfg = dict(algorithm=algorithm, rounds=4, checkpoint_every=2, local__epochs=2.0)
+    experiment.train(config(**cfg), full, progress=False)
+    experiment.train(config(**{**cfg, "rounds": 2}), part, progress=False)
+    experiment.train(config(**cfg), part, resume=True, progress=False)
+    assert metrics(part) == metrics(full) and len(metrics(full)) == 4

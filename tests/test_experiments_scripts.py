@@ -180,7 +180,7 @@ def test_universal_runs_every_algorithm_with_and_without_pans(tmp_path):
     assert universal.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
     runs = common.read_csv(os.path.join(out, "universal_runs.csv"))
     assert {(r["algorithm"], r["pan"]) for r in runs} == {
-        (a, p) for a in universal.ALGORITHMS for p in ("off", "panmul0.1")}
+        (a, p) for a in ("fedavg", "moon") for p in ("off", "panmul0.1")}
     table = common.read_csv(os.path.join(out, "universal.csv"))
     for row in table:
         mine = [float(r["final_accuracy"]) for r in runs
@@ -190,5 +190,18 @@ def test_universal_runs_every_algorithm_with_and_without_pans(tmp_path):
                                      "summary.json"))
         assert summary["rounds"] == 2
     pairs = universal.best_vs_off([{**r, "mean": float(r["mean"])} for r in table])
-    assert set(pairs) == set(universal.ALGORITHMS)
+    assert set(pairs) == {"fedavg", "moon"}
     assert os.path.getsize(os.path.join(out, "fig9_universal.png")) > 10_000
+
+
+def test_a_failing_overwrite_keeps_the_old_results(tmp_path, monkeypatch, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.csv").write_text("old results")
+    (tmp_path / "empty").mkdir()
+    monkeypatch.setenv("FEDJAX_PAN_FASHION_MNIST_DIR", str(tmp_path / "empty"))
+    assert shuffle_accuracy.main(["--out", str(tmp_path / "out"), "--overwrite",
+                                  "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "FEDJAX_PAN_FASHION_MNIST_DIR" in err[0]
+    assert os.listdir(tmp_path / "out") == ["old.csv"]
+    assert sorted(os.listdir(tmp_path)) == ["empty", "out"]  # nothing left aside

@@ -95,6 +95,8 @@ def test_a_signal_ends_in_one_line_and_the_run_resumes_exactly(tmp_path, sig, st
     done = int(re.search(r"rounds 1-(\d+)", lines[0]).group(1))
     assert os.listdir(os.path.join(workdir, "checkpoints")) == [str(done)]
     assert len(_rows(workdir)) == done
+    if sig != signal.SIGINT:  # the rest does not depend on which signal it was
+        return
     # Resumed to two rounds more, it matches a run that was never interrupted.
     more = [f"--config.rounds={done + 2}", "--config.checkpoint_every=1000"]
     assert main.main(["prog", *SYNTHETIC, f"--workdir={workdir}", "--resume", *more]) == 0

@@ -45,20 +45,20 @@ def _algo(mu):
 
 
 @functools.lru_cache(maxsize=None)
-def _executor(mu, strategy, group_size=None):
+def _executor(mu, strategy, block_size=None):
     _, cd, _, variables = _setup()
-    return make_executor(strategy, _algo(mu), WORK, cd, variables, 3, group_size=group_size)
+    return make_executor(strategy, _algo(mu), WORK, cd, variables, 3, block_size=block_size)
 
 
-def _simulation(mu, strategy, group_size=None, seed=1):  # cohorts [1 2 4], then [1 2 5]
-    return Simulation(_algo(mu), _setup()[1], WORK, _executor(mu, strategy, group_size),
+def _simulation(mu, strategy, block_size=None, seed=1):  # cohorts [1 2 4], then [1 2 5]
+    return Simulation(_algo(mu), _setup()[1], WORK, _executor(mu, strategy, block_size),
                       participation=0.5, seed=seed)
 
 
 @functools.lru_cache(maxsize=None)
-def _rounds(mu, strategy, group_size=None, rounds=2):
+def _rounds(mu, strategy, block_size=None, rounds=2):
     """Host copies of the state after each round, and the rounds' statistics."""
-    sim = _simulation(mu, strategy, group_size)
+    sim = _simulation(mu, strategy, block_size)
     state, states, stats = sim.init(_setup()[3]), [], []
     for _ in range(rounds):
         state, s = sim.round(state)

@@ -60,7 +60,7 @@ def test_round_one_is_fedavg_and_the_control_variates_are_mean_gradients():
 
 
 def _distances(algo, q, work, rounds):
-    ex = make_executor("vmap", algo, work, q.data, q.variables, 4, group_size=4)
+    ex = make_executor("vmap", algo, work, q.data, q.variables, 4, block_size=4)
     sim = Simulation(algo, q.data, work, ex, participation=1.0)
     state, out = sim.init(q.variables), []
     for _ in range(rounds):
@@ -93,8 +93,8 @@ def test_momentum_is_accounted_for_in_the_control_variates():
     assert naive[-1] > 10.0  # measured 1.4e2 after 10 rounds, growing ~10x a round
 
 
-def _run(strategy, algo, cd, variables, group_size=None, rounds=2):
-    ex = make_executor(strategy, algo, WORK, cd, variables, 4, group_size=group_size)
+def _run(strategy, algo, cd, variables, block_size=None, rounds=2):
+    ex = make_executor(strategy, algo, WORK, cd, variables, 4, block_size=block_size)
     sim = Simulation(algo, cd, WORK, ex, participation=0.67, seed=7)  # 4 of 6 clients
     state = sim.init(variables)
     for _ in range(rounds):

@@ -68,7 +68,7 @@ def test_an_invalid_value_of_every_leaf_exits_2_with_one_line(tmp_path, capsys, 
 
 def test_the_issue_examples_are_refused_with_their_range():
     cases = {"pan.amplitude": -0.5, "dataset.train_limit": -5, "eval.batch_size": 0,
-             "seed": -1, "execution.group_size": 0, "optimizer.momentum": 1.0,
+             "seed": -1, "execution.block_size": 0, "optimizer.momentum": 1.0,
              "optimizer.lr": math.inf, "partition.alpha": 0.0}
     for key, value in cases.items():
         cfg = defaults.default_config()

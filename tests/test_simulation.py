@@ -69,3 +69,29 @@ def test_client_updates_average_to_the_round_update():
     for a, b in zip(jax.tree_util.tree_leaves(new_state.server.params),
                     jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_client_states_on_the_host_give_the_same_numbers():
+    from fedjax_pan.algorithms.scaffold import scaffold
+    from fedjax_pan.algorithms import client_optimizer
+    model, variables, _ = tiny_fedavg()
+    algo = scaffold(model, client_optimizer(0.05, 0.9), 0.05, momentum=0.9)
+    _, cd = tiny_clients([27, 39, 19, 36, 62, 13])
+    work = LocalWork(batch_size=8, epochs=1.0)
+    finals = {}
+    for on_host in (False, True):
+        ex = make_executor("loop", algo, work, cd, variables, 3)
+        sim = Simulation(algo, cd, work, ex, participation=0.5, seed=2, states_on_host=on_host)
+        state = sim.init(variables)
+        kind = type(jax.tree_util.tree_leaves(state.client_states)[0])
+        assert (kind is np.ndarray) == on_host
+        for _ in range(3):
+            state, _ = sim.round(state)
+        finals[on_host] = state
+    for a, b in zip(jax.tree_util.tree_leaves(finals[False]),
+                    jax.tree_util.tree_leaves(finals[True])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Some clients' control variates moved, others (never sampled) stayed zero.
+    c = np.asarray(jax.tree_util.tree_leaves(finals[True].client_states)[0])
+    moved = np.abs(c.reshape(len(c), -1)).max(axis=1) > 0
+    assert moved.any()

@@ -30,8 +30,8 @@ from typing import Any, Optional, Union
 import numpy as np
 
 __all__ = [
-    "Dataset", "DataError", "NORMALIZATION", "load", "normalize", "read_idx", "synthetic",
-    "DATASETS",
+    "Dataset", "DataError", "NORMALIZATION", "load", "normalize", "read_idx", "subset",
+    "synthetic", "DATASETS",
 ]
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
@@ -310,6 +310,26 @@ def load(name: str, *, data_dir: Optional[Union[str, os.PathLike]] = None) -> Da
         if searched is None:
             raise
         raise DataError(f"{name}: {searched}; TFDS: {e}") from e
+
+
+def subset(ds: Dataset, train_limit: Optional[int] = None, test_limit: Optional[int] = None,
+           seed: int = 0) -> Dataset:
+    """At most `train_limit` / `test_limit` examples of each split: a seeded random subset
+    kept in the original order (train drawn first, from numpy's default_rng(seed))."""
+    rng = np.random.default_rng(seed)
+
+    def keep(n: int, limit: Optional[int]) -> Optional[np.ndarray]:
+        if not limit or limit >= n:
+            return None
+        return np.sort(rng.permutation(n)[:limit])
+
+    train, test = keep(ds.num_train, train_limit), keep(ds.num_test, test_limit)
+    return dataclasses.replace(
+        ds,
+        train_images=ds.train_images if train is None else ds.train_images[train],
+        train_labels=ds.train_labels if train is None else ds.train_labels[train],
+        test_images=ds.test_images if test is None else ds.test_images[test],
+        test_labels=ds.test_labels if test is None else ds.test_labels[test])
 
 
 def normalize(images: Any, name_or_stats: Union[str, Stats, Sequence[Sequence[float]]]) -> Any:

@@ -3,10 +3,11 @@
 Strategies (all give the same numbers up to float32 summation order):
   loop     a Python loop over clients of one jitted step (fast for convnets on CPU, where
            vmapped convs are ~5x and convs inside compiled loops ~30x slower);
-  vmap     groups of G clients of similar step counts, vmapped, each group's whole local
+  vmap     blocks of G clients of similar step counts, vmapped, each block's whole local
            training (init, steps, output) in one compiled call whose step loop runs the
-           group's longest client; clients that ran out of steps are frozen by a mask;
-           a group of one is not vmapped and computes its last partial batches on fewer
+           block's longest client; clients that ran out of steps are frozen by a mask;
+           a block of one client is not vmapped (what `auto` picks on CPU for dense models:
+           clients then run one at a time) and computes its last partial batches on fewer
            rows (`clients.tail_rows`);
   sharded  the vmap path with the client axis sharded over jax.devices();
   auto     vmap on accelerators (sharded when there are several devices); on CPU, loop for
@@ -258,26 +259,26 @@ class LoopExecutor:
 
 @dataclasses.dataclass
 class VmapExecutor:
-    """Groups of `group_size` clients, vmapped, one compiled call per group.
+    """Blocks of `block_size` clients, vmapped, one compiled call per block.
 
-    Clients are sorted by step count so a group's members finish together (bucketing);
-    a short last group is filled with weight-0 clients that take no steps.
+    Clients are sorted by step count so a block's members finish together (bucketing);
+    a short last block is filled with weight-0 clients that take no steps.
     """
 
     program: ClientProgram
     data: ClientData
-    group_size: int
+    block_size: int
     mesh: Optional[Mesh] = None
 
     def __post_init__(self):
-        if self.group_size < 1:
-            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         p = self.program
-        self.single = self.group_size == 1
+        self.single = self.block_size == 1
         if self.mesh is not None:
             ndev = self.mesh.devices.size
-            if self.group_size % ndev:
-                raise ValueError(f"group_size {self.group_size} must be a multiple of the "
+            if self.block_size % ndev:
+                raise ValueError(f"block_size {self.block_size} must be a multiple of the "
                                  f"{ndev} devices for the sharded strategy")
             self._split = NamedSharding(self.mesh, PartitionSpec("clients"))
             self._repl = NamedSharding(self.mesh, PartitionSpec())
@@ -289,9 +290,9 @@ class VmapExecutor:
         if not self.single:
             step = jax.vmap(step, in_axes=(None, None, 0, 0, None))
 
-        def run_group(arrays, server, client_states, ctx, info, num_steps, tail_index,
+        def run_block(arrays, server, client_states, ctx, info, num_steps, tail_index,
                       weights, out_sum, metrics):
-            """The group's local training; adds its weighted outputs to `out_sum` (or,
+            """The block's local training; adds its weighted outputs to `out_sum` (or,
             for a stacked aggregator, returns them: `out_sum` is then None)."""
             carry = self._constrain(over_clients(p.init, (None, 0, 0))(server, client_states,
                                                                        ctx))
@@ -311,11 +312,11 @@ class VmapExecutor:
         rows = tail_rows(self.data.sizes, p.batch_size) if self.single else []
         self.tails = tuple(sorted({int(r) for r in rows if r}))
         self._tail_slot = {r: i + 1 for i, r in enumerate(self.tails)}
-        self._run_group = jax.jit(run_group, donate_argnums=(8, 9))
+        self._run_block = jax.jit(run_block, donate_argnums=(8, 9))
         self._zeros = None
 
     def _constrain(self, carry):
-        # Pins the client axis' sharding inside the group program.
+        # Pins the client axis' sharding inside the block program.
         if self.mesh is None:
             return carry
         return tree_map(lambda x: jax.lax.with_sharding_constraint(x, self._split), carry)
@@ -326,20 +327,20 @@ class VmapExecutor:
     def _split_put(self, tree):
         return tree if self.mesh is None else jax.device_put(tree, self._split)
 
-    def groups(self, steps: np.ndarray) -> list:
-        """Cohort slots per group (padded with -1), longest-running clients first."""
+    def blocks(self, steps: np.ndarray) -> list:
+        """Cohort slots per block (padded with -1), longest-running clients first."""
         order = np.argsort(-np.asarray(steps), kind="stable")
-        n_groups = math.ceil(len(order) / self.group_size)
-        padded = np.full(n_groups * self.group_size, -1)
+        n_blocks = math.ceil(len(order) / self.block_size)
+        padded = np.full(n_blocks * self.block_size, -1)
         padded[:len(order)] = order
-        return list(padded.reshape(n_groups, self.group_size))
+        return list(padded.reshape(n_blocks, self.block_size))
 
     def computed_examples(self, sizes: np.ndarray, steps: np.ndarray) -> int:
         """Batch rows computed for clients of `sizes` taking `steps`, padding included."""
         if self.single:
             return computed_alone(sizes, steps, self.program.batch_size)
-        longest = [int(np.max(np.asarray(steps)[g[g >= 0]])) for g in self.groups(steps)]
-        return sum(longest) * self.group_size * self.program.batch_size
+        longest = [int(np.max(np.asarray(steps)[g[g >= 0]])) for g in self.blocks(steps)]
+        return sum(longest) * self.block_size * self.program.batch_size
 
     def _tail_index(self, size: int) -> int:
         """Which `lax.switch` branch runs this client's tail (0: none)."""
@@ -354,7 +355,7 @@ class VmapExecutor:
         metrics, out_sum = None, None
         slot_states = [None] * len(cohort.ids)
         slot_outputs = [None] * len(cohort.ids)
-        for g in self.groups(cohort.steps):
+        for g in self.blocks(cohort.steps):
             real = g >= 0
             slots = np.where(real, g, g[0])
             client_states, ctx, info = _client_args(self.data, cohort, slots)
@@ -374,7 +375,7 @@ class VmapExecutor:
                     if self._zeros is None:
                         self._zeros = p.output_zeros(server, one_state, one_ctx)
                     out_sum = self._replicate(self._zeros())
-            result, metrics, new_states = self._run_group(*args, out_sum, metrics)
+            result, metrics, new_states = self._run_block(*args, out_sum, metrics)
             if p.stacked:
                 for j, slot in enumerate(g):
                     if slot >= 0:
@@ -420,7 +421,7 @@ def resolve_strategy(strategy: str, variables: PyTree) -> str:
 
 def make_executor(strategy: str, algorithm: FederatedAlgorithm, work: LocalWork,
                   data: ClientData, variables: PyTree, clients_per_round: int,
-                  group_size: Optional[int] = None):
+                  block_size: Optional[int] = None):
     """An executor for `strategy` ('auto' resolved against backend and model)."""
     program = ClientProgram(algorithm, work, data)
     concrete = resolve_strategy(strategy, variables)
@@ -430,14 +431,14 @@ def make_executor(strategy: str, algorithm: FederatedAlgorithm, work: LocalWork,
     if concrete == "sharded":
         devices = np.asarray(jax.devices())
         mesh = Mesh(devices, ("clients",))
-        group_size = group_size or clients_per_round
-        group_size = math.ceil(group_size / len(devices)) * len(devices)
-    group_size = group_size or default_group_size(clients_per_round)
-    return VmapExecutor(program, data, group_size, mesh)
+        block_size = block_size or clients_per_round
+        block_size = math.ceil(block_size / len(devices)) * len(devices)
+    block_size = block_size or default_block_size(clients_per_round)
+    return VmapExecutor(program, data, block_size, mesh)
 
 
-def default_group_size(clients_per_round: int) -> int:
-    """On CPU vmapping more clients gains nothing, so small groups keep padding low."""
+def default_block_size(clients_per_round: int) -> int:
+    """On CPU vmapping more clients gains nothing, so small blocks keep padding low."""
     if jax.default_backend() == "cpu":
         return 1
     return clients_per_round

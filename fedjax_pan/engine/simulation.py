@@ -11,7 +11,7 @@ for the sampled ones.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, NamedTuple
+from typing import Any, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,10 @@ class Simulation:
     participation: float = 0.1
     aggregation: str = "uniform"
     seed: int = 0
+    # Where the K clients' persistent states live: None decides by size (the device when
+    # they take at most half its memory, else the host), True/False force it. The numbers
+    # are the same either way; the host costs a transfer of the cohort's states per round.
+    states_on_host: Optional[bool] = None
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -65,8 +69,18 @@ class Simulation:
     def init(self, variables: PyTree) -> SimState:
         server = self.algorithm.server_init(variables)
         one = self.algorithm.client_state_init(server)
-        states = None if one is None else jax.tree_util.tree_map(
-            lambda x: jnp.broadcast_to(x, (self.data.num_clients, *np.shape(x))), one)
+        if one is None:
+            return SimState(server, None, 0)
+        k = self.data.num_clients
+        if self.states_on_host is None:
+            self.states_on_host = _too_big_for_device(
+                k * sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(one)))
+        if self.states_on_host:
+            states = jax.tree_util.tree_map(
+                lambda x: np.repeat(np.asarray(x)[None], k, axis=0), one)
+        else:
+            states = jax.tree_util.tree_map(
+                lambda x: jnp.broadcast_to(x, (k, *np.shape(x))), one)
         return SimState(server, states, 0)
 
     def sample(self, round_index: int) -> np.ndarray:
@@ -81,7 +95,7 @@ class Simulation:
         else:
             weights = self.data.sizes[ids].astype(np.float64)
         states = None if state.client_states is None else jax.tree_util.tree_map(
-            lambda x: x[ids], state.client_states)
+            lambda x: jnp.asarray(x[ids]), state.client_states)
         return Cohort(ids, self.steps[ids], weights,
                       client_keys(self._data_key, round_index, ids),
                       client_keys(self._algo_key, round_index, ids), states, round_index)
@@ -119,7 +133,16 @@ class Simulation:
         outputs = result.outputs if self.algorithm.aggregator.stacked else result.output_sum
         server = self._server_update(state.server, outputs, weights, info)
         client_states = state.client_states
-        if client_states is not None:
+        if client_states is not None and isinstance(
+                jax.tree_util.tree_leaves(client_states)[0], np.ndarray):
+            # In place, as the device path's donated scatter (a restored array may be
+            # read-only: copied once).
+            client_states = jax.tree_util.tree_map(
+                lambda a: a if a.flags.writeable else np.array(a), client_states)
+            for a, n in zip(jax.tree_util.tree_leaves(client_states),
+                            jax.tree_util.tree_leaves(result.client_states)):
+                a[cohort.ids] = np.asarray(n)
+        elif client_states is not None:
             client_states = self._scatter(client_states, jnp.asarray(cohort.ids),
                                           result.client_states)
         metrics = jax.device_get(result.metrics)
@@ -142,3 +165,13 @@ def train_metrics(sums: Dict[str, Any]) -> Dict[str, float]:
         else:
             out["train_" + key] = float(value)
     return out
+
+
+def _too_big_for_device(nbytes: int) -> bool:
+    """True when `nbytes` exceeds half the first device's memory (when it reports one)."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory statistics
+        stats = {}
+    limit = stats.get("bytes_limit")
+    return bool(limit) and nbytes > limit // 2
