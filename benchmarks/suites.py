@@ -700,6 +700,7 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
     client_tx = client_optimizer(settings.learning_rate, settings.momentum, 0.0, None)
     server_tx = registry.server_optimizer("sgd", 1.0)
     strategy = resolve_strategy("auto", w.variables)
+    reps = 1 if settings.quick else settings.reps
     out: Dict[str, Any] = {}
     for name, entry in registry.ALGORITHMS.items():
         with cfg.unlocked():
@@ -709,8 +710,7 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
         ex = make_executor(strategy, algorithm, w.work, w.data, w.variables, m_per)
         sim = Simulation(algorithm, w.data, w.work, ex, m_per / w.data.num_clients,
                          seed=settings.seed)
-        m = time_engine(sim, w.variables, None, settings.warmup, settings.reps,
-                        settings.slow_round_s)
+        m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s)
         rec = summarize(m, w.flops_per_example, ceiling)
         state = sim.init(w.variables)
         rec = {"seconds_per_round": rec["seconds_per_round"], "reps": rec["reps"],
@@ -727,8 +727,7 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
     ex = make_executor(strategy, stacked, w.work, w.data, w.variables, m_per)
     sim = Simulation(stacked, w.data, w.work, ex, m_per / w.data.num_clients,
                      seed=settings.seed)
-    m = time_engine(sim, w.variables, None, settings.warmup, settings.reps,
-                    settings.slow_round_s)
+    m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s)
     median = {"seconds_per_round": summarize(m, w.flops_per_example, ceiling)[
         "seconds_per_round"], "stacked_outputs_mib": m_per * _tree_bytes(w.variables) / 2**20}
     median["vs_fedavg"] = median["seconds_per_round"] / out["fedavg"]["seconds_per_round"]

@@ -11,7 +11,7 @@ Presets:
   paper  H = 1000 rounds, all four PAN settings, 3 seeds (an accelerator's work)
   cpu    H = 30 rounds, A = 0 vs PANx A = 0.1, 2 seeds: about an hour on 2 CPU cores
   default  the cpu preset
-  smoke  FedAvg and MOON, synthetic data, a 16-wide MLP, K = 6, 2 rounds, A = 0 vs PANx
+  smoke  FedAvg and MOON, synthetic data, a 16-wide MLP, K = 6, 1 round, A = 0 vs PANx
          A = 0.1, 1 seed
 Outputs: universal_runs.csv (one row per run), universal.csv (mean/std per algorithm and PAN
 setting), universal.json, fig9_universal.png.
@@ -62,7 +62,7 @@ PRESETS = MappingProxyType({
     "default": Settings(),
     # Two algorithms (one stateful) keep the test quick; every algorithm's config run is
     # tested with the library (tests/test_experiment.py, tests/test_fedprox.py).
-    "smoke": Settings(rounds=2, seeds=(0,), algorithms=("fedavg", "moon"),
+    "smoke": Settings(rounds=1, seeds=(0,), algorithms=("fedavg", "moon"),
                       dataset="synthetic", num_clients=6, hidden=(16, 16, 16)),
 })
 

@@ -86,7 +86,7 @@ def _recording_algorithm(num_clients):
                                    core.weighted_sum)
 
 
-@pytest.mark.parametrize("strategy,group", [("loop", None), ("vmap", 1), ("vmap", 3)])
+@pytest.mark.parametrize("strategy,group", [("loop", None), ("vmap", 3)])
 def test_clients_and_server_are_told_who_they_are(strategy, group):
     ds, cd = tiny_clients(SIZES)
     algo = _recording_algorithm(len(SIZES))

@@ -144,7 +144,9 @@ def test_one_step_is_sgd_on_ce_plus_mu_times_the_term():
     assert max_rel_err(ce_only, want_params) > 1e-3
 
 
-@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+# Under vmap the same algorithm is held to the reference in
+# test_clients_keep_their_final_local_models; one strategy suffices here.
+@pytest.mark.parametrize("strategy", ["loop"])
 def test_mu_zero_is_fedavg(strategy):
     # Round 0 alone would prove little: there z_prev = z_glob, so the term's gradient is 0
     # for any mu. Round 1 resamples a client whose previous model is its own.
