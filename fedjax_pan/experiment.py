@@ -63,10 +63,16 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     schema.validate(cfg)
 
 
-def _load_dataset(cfg: ml_collections.ConfigDict,
-                  cache: Optional[Dict[Any, data_lib.Dataset]] = None) -> data_lib.Dataset:
+def _data_key(cfg: ml_collections.ConfigDict) -> tuple:
+    """What determines a run's training data (variants sharing it share one copy)."""
     d = cfg.dataset
-    key = (d.name, d.data_dir, d.train_limit, cfg.seed)
+    return (d.name, d.data_dir, d.train_limit, cfg.seed)
+
+
+def _load_dataset(cfg: ml_collections.ConfigDict,
+                  cache: Optional[Dict[Any, Any]] = None) -> data_lib.Dataset:
+    d = cfg.dataset
+    key = _data_key(cfg)
     if cache is not None and key in cache:
         return cache[key]
     if d.name == "synthetic":
@@ -87,8 +93,7 @@ def _normalized(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset,
                 cache: Optional[Dict[Any, Any]]) -> Any:
     """Normalised float32 train and test images on the device, shared through `cache` by
     every variant on the same data (a sweep holds one copy, not one per run)."""
-    d = cfg.dataset
-    key = ("normalized", d.name, d.data_dir, d.train_limit, cfg.seed)
+    key = ("normalized", *_data_key(cfg))
     if cache is not None and key in cache:
         return cache[key]
     stats = data_lib.NORMALIZATION.get(ds.name)
@@ -115,7 +120,7 @@ def _check_shuffleable(algorithm: Any, variables: Any, num_classes: int, name: s
 
 
 def build(cfg: ml_collections.ConfigDict,
-          cache: Optional[Dict[Any, data_lib.Dataset]] = None) -> Experiment:
+          cache: Optional[Dict[Any, Any]] = None) -> Experiment:
     """Everything a run needs, from a config (validated here); `cache` shares loaded data."""
     validate(cfg)
     ds = _load_dataset(cfg, cache)
@@ -244,11 +249,18 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
     """
     validate(cfg)
     check_workdir(cfg, workdir, resume=resume, overwrite=overwrite)
-    with count_compiles() as c:
-        exp = build(cfg)
-    exp.setup_compiles = c.count
+    exp = _build_counted(cfg)
     with workdir_lib.claim(workdir, overwrite=overwrite, resume=resume):
         return _train(exp, workdir, resume=resume, progress=progress, desc=desc)
+
+
+def _build_counted(cfg: ml_collections.ConfigDict,
+                   cache: Optional[Dict[Any, Any]] = None) -> Experiment:
+    """`build`, with the compilations it took (a run's summary counts them)."""
+    with count_compiles() as c:
+        exp = build(cfg, cache)
+    exp.setup_compiles = c.count
+    return exp
 
 
 def _divergence(loss: float, cfg: ml_collections.ConfigDict) -> Optional[str]:
@@ -455,12 +467,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
         except ConfigError as e:
             raise ConfigError(f"variant {name!r}: {e}") from None
     check_workdir(cfg, workdir, resume=resume, overwrite=overwrite)
-    cache: Dict[Any, data_lib.Dataset] = {}
-    experiments = {}
-    for name, c in configs.items():
-        with count_compiles() as counted:
-            experiments[name] = build(c, cache)
-        experiments[name].setup_compiles = counted.count
+    cache: Dict[Any, Any] = {}
+    experiments = {name: _build_counted(c, cache) for name, c in configs.items()}
     top = os.path.join(workdir, "config.json")
     with workdir_lib.claim(workdir, overwrite=overwrite, resume=resume):
         with workdir_lib.writing(top, lambda: "nothing of this run was saved yet"):

@@ -196,22 +196,17 @@ class LoopExecutor:
         self._step = jax.jit(lambda arrays, server, carry, info, t, rows: p.step(
             arrays, server, carry, info, t, masked=False, rows=rows), static_argnums=(5,),
             donate_argnums=(2,) if self.donate else ())
-        if p.stacked:
-            self._end = jax.jit(self._finish, donate_argnums=(3,))
-        else:
-            self._end = jax.jit(self._accumulate, donate_argnums=(3, 4))
+        self._end = jax.jit(self._accumulate, donate_argnums=(3, 4))
         self._arrays = (self.data.images, self.data.labels, self.data.index_table)
         self._compiled: Optional[dict] = None
         self._zeros = None
 
     def _accumulate(self, server, carry, weight, out_sum, metrics):
+        """Adds the client's weighted output to `out_sum` (or, for a stacked aggregator,
+        returns it: `out_sum` is then None)."""
         local, acc = carry
         out, state = self.program.finish(server, local, weight)
-        return _add(out_sum, out), _add(metrics, acc), state
-
-    def _finish(self, server, carry, weight, metrics):
-        local, acc = carry
-        out, state = self.program.finish(server, local, weight)
+        out = out if out_sum is None else _add(out_sum, out)
         return out, _add(metrics, acc), state
 
     def computed_examples(self, sizes: np.ndarray, steps: np.ndarray) -> int:
@@ -245,12 +240,12 @@ class LoopExecutor:
             rows = step_rows(int(self.data.sizes[client]), int(cohort.steps[m]), p.batch_size)
             for t, r in enumerate(rows):
                 carry = self._compiled[r](self._arrays, server, carry, info, jnp.int32(t))
-            weight = jnp.float32(cohort.weights[m])
+            result, metrics, state = self._end(server, carry, jnp.float32(cohort.weights[m]),
+                                               out_sum, metrics)
             if p.stacked:
-                out, metrics, state = self._end(server, carry, weight, metrics)
-                outputs.append(out)
+                outputs.append(result)
             else:
-                out_sum, metrics, state = self._end(server, carry, weight, out_sum, metrics)
+                out_sum = result
             states.append(state)
         return CohortResult(out_sum, _stack(states), metrics,
                             self.computed_examples(self.data.sizes[cohort.ids], cohort.steps),

@@ -103,7 +103,7 @@ class Simulation:
     def _aggregate_and_update(self, server, outputs, weights, info):
         aggregator = self.algorithm.aggregator
         if aggregator.stacked:
-            aggregate = aggregator.finalize(outputs, weights / jnp.sum(weights))
+            aggregate = aggregator.finalize(outputs, info.weights)
         else:
             aggregate = aggregator.finalize(outputs, jnp.sum(weights))
         return self.algorithm.server_update(server, aggregate, info)
