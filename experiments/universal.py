@@ -9,7 +9,7 @@ plots, per algorithm, the best PAN setting against A = 0; here with mean and std
 
 Presets:
   paper  H = 1000 rounds, all four PAN settings, 3 seeds (an accelerator's work)
-  cpu    H = 30 rounds, A = 0 vs PANx A = 0.1, 2 seeds: about an hour on 2 CPU cores
+  cpu    H = 20 rounds, A = 0 vs PANx A = 0.1, 2 seeds: about 80 minutes on 2 CPU cores
   default  the cpu preset
   smoke  FedAvg and MOON, synthetic data, a 16-wide MLP, K = 6, 1 round, A = 0 vs PANx
          A = 0.1, 1 seed
@@ -46,7 +46,7 @@ PAN_SETTINGS = (Pan("mul", 1.0, 0.0), Pan("add", 1.0, 0.05), Pan("mul", 1.0, 0.0
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    rounds: int = 30
+    rounds: int = 20
     seeds: Tuple[int, ...] = (0, 1)
     pans: Tuple[Pan, ...] = (PAN_SETTINGS[0], PAN_SETTINGS[3])
     algorithms: Tuple[str, ...] = tuple(ALGORITHMS)
