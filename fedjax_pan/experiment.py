@@ -376,6 +376,7 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                     # The algorithm's own metrics (train_*) follow the engine's.
                     row = {"round": r, "test_accuracy": ev["accuracy"], "test_loss": ev["loss"],
                            **{k: v for k, v in stats.items() if k.startswith("train_")},
+                           "upload_bytes": stats["upload_bytes"],
                            "seconds": time.time() - t0}
                     if cfg.eval.local:
                         local_acc = label_mix @ ev["class_accuracy"]

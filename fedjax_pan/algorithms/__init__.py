@@ -3,11 +3,12 @@
 from fedjax_pan.algorithms.core import (Aggregator, ClientContext, FederatedAlgorithm, RoundInfo,
                                         median, no_client_state, trimmed_mean, weighted_mean,
                                         weighted_sum)
+from fedjax_pan.algorithms.fed2 import fed2
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.fedprox import fedprox
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.registry import ALGORITHMS, from_config, server_optimizer
 
 __all__ = ["Aggregator", "ClientContext", "FederatedAlgorithm", "RoundInfo", "median",
-           "no_client_state", "trimmed_mean", "weighted_mean", "weighted_sum", "fedavg",
+           "no_client_state", "trimmed_mean", "weighted_mean", "weighted_sum", "fed2", "fedavg",
            "fedprox", "client_optimizer", "server_optimizer", "ALGORITHMS", "from_config"]

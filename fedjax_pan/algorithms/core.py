@@ -10,6 +10,7 @@ Every function takes its state first, then its inputs, and returns the new state
     server_update(server_state, aggregate, info)  -> server_state
     eval_variables(server_state)                  -> model variables to evaluate
     aggregator                                    how outputs become `aggregate`
+    upload_bytes(output, local_state)             -> bytes sent (optional)
 
 `ctx` is a `ClientContext`; `server_state` in `client_step` is the round's broadcast
 (read-only: a client need not copy it into its local state). `batch` is
@@ -24,7 +25,7 @@ never sees how its clients are executed.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -117,6 +118,9 @@ class FederatedAlgorithm(NamedTuple):
     server_update: Callable[[PyTree, PyTree, RoundInfo], PyTree]
     eval_variables: Callable[[PyTree], PyTree]
     aggregator: Aggregator = weighted_mean
+    # upload_bytes(output, local_state) -> bytes this client sends (None: its whole output;
+    # e.g. Psi-Net's trimmed groups are not sent).
+    upload_bytes: Optional[Callable[[PyTree, PyTree], Any]] = None
 
 
 class AlgorithmEntry(NamedTuple):

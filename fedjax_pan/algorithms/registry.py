@@ -14,6 +14,7 @@ import optax
 
 from fedjax_pan.algorithms import core
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.fed2 import ENTRY as FED2
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.feddyn import ENTRY as FEDDYN
 from fedjax_pan.algorithms.fedprox import ENTRY as FEDPROX
@@ -49,6 +50,7 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "scaffold": SCAFFOLD,
     "moon": MOON,
     "feddyn": FEDDYN,
+    "fed2": FED2,
 }
 
 

@@ -131,17 +131,35 @@ class ClientProgram:
             return jax.lax.switch(which, branches, t0 + full, c)
         return jax.lax.fori_loop(0, (steps + per_epoch - 1) // per_epoch, epoch, carry)
 
-    def finish(self, server, local, weight):
+    def finish(self, server, carry, weight):
+        """(weighted output, or the output itself for a stacked aggregator; the new client
+        state; the client's metric sums with its 'upload_bytes')."""
+        local, acc = carry
         output, client_state = self.algorithm.client_output(local, server)
-        if self.stacked:
-            return output, client_state
-        return tree_map(lambda o: o * weight.astype(o.dtype), output), client_state
+        upload = self.upload_bytes(output, local)
+        # Filler slots of a vmap block weigh 0 and send nothing.
+        acc = {**acc, "upload_bytes": jnp.where(weight > 0, upload, 0.0)}
+        if not self.stacked:
+            output = tree_map(lambda o: o * weight.astype(o.dtype), output)
+        return output, client_state, acc
+
+    def upload_bytes(self, output, local) -> jax.Array:
+        """Bytes the client sends: the algorithm's count, else its whole output's."""
+        if self.algorithm.upload_bytes is not None:
+            return jnp.asarray(self.algorithm.upload_bytes(output, local), jnp.float32)
+        return jnp.float32(sum(np.dtype(x.dtype).itemsize * np.size(x)
+                               for x in jax.tree_util.tree_leaves(output)))
+
+    def total_zeros(self, server, client_state, ctx) -> Dict[str, jax.Array]:
+        """Zeros shaped like a client's metric sums as `finish` returns them."""
+        return {**self.metric_zeros(server, client_state, ctx),
+                "upload_bytes": jnp.zeros((), jnp.float32)}
 
     def output_zeros(self, server, client_state, ctx):
         """A compiled function returning zeros shaped like one client's weighted output
         (the start of an output sum)."""
         shapes = jax.eval_shape(
-            lambda: self.finish(server, self.init(server, client_state, ctx)[0],
+            lambda: self.finish(server, self.init(server, client_state, ctx),
                                 jnp.float32(1.0))[0])
         return jax.jit(lambda: tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes))
 
@@ -204,8 +222,7 @@ class LoopExecutor:
     def _accumulate(self, server, carry, weight, out_sum, metrics):
         """Adds the client's weighted output to `out_sum` (or, for a stacked aggregator,
         returns it: `out_sum` is then None)."""
-        local, acc = carry
-        out, state = self.program.finish(server, local, weight)
+        out, state, acc = self.program.finish(server, carry, weight)
         out = out if out_sum is None else _add(out_sum, out)
         return out, _add(metrics, acc), state
 
@@ -228,7 +245,7 @@ class LoopExecutor:
             client_state, ctx, info = _client_args(self.data, cohort, m)
             if carry is None:
                 carry = self._init(server, client_state, ctx)
-                metrics = p.metric_zeros(server, client_state, ctx)
+                metrics = p.total_zeros(server, client_state, ctx)
                 if not p.stacked:
                     if self._zeros is None:
                         self._zeros = p.output_zeros(server, client_state, ctx)
@@ -298,8 +315,8 @@ class VmapExecutor:
             else:
                 carry = jax.lax.fori_loop(0, num_steps,
                                           lambda t, c: step(arrays, server, c, info, t), carry)
-            local, acc = self._constrain(carry)
-            outs, states = over_clients(p.finish, (None, 0, 0))(server, local, weights)
+            outs, states, acc = over_clients(p.finish, (None, 0, 0))(
+                server, self._constrain(carry), weights)
             outs = outs if out_sum is None else _add(out_sum, _sum0(outs))
             return outs, _add(metrics, _sum0(acc)), states
 
@@ -365,7 +382,7 @@ class VmapExecutor:
                     self._split_put(weights))
             if metrics is None:
                 one_state, one_ctx, _ = _client_args(self.data, cohort, 0)
-                metrics = self._replicate(p.metric_zeros(server, one_state, one_ctx))
+                metrics = self._replicate(p.total_zeros(server, one_state, one_ctx))
                 if not p.stacked:
                     if self._zeros is None:
                         self._zeros = p.output_zeros(server, one_state, one_ctx)

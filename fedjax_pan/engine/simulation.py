@@ -145,10 +145,11 @@ class Simulation:
         elif client_states is not None:
             client_states = self._scatter(client_states, jnp.asarray(cohort.ids),
                                           result.client_states)
-        metrics = jax.device_get(result.metrics)
+        metrics = dict(jax.device_get(result.metrics))
+        upload = float(metrics.pop("upload_bytes"))
         real = real_examples(self.work, self.data.sizes[cohort.ids])
         stats = {**train_metrics(metrics), "real_examples": real,
-                 "computed_examples": result.computed_examples}
+                 "computed_examples": result.computed_examples, "upload_bytes": upload}
         return SimState(server, client_states, state.round + 1), stats
 
 

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pan.models import grouped as grouped_lib
 from fedjax_pan.models import layers
 from fedjax_pan.models.mlp import MLP
 from fedjax_pan.models.resnet import ResNet
@@ -42,11 +43,11 @@ _REGISTRY: Dict[str, Tuple[Callable[..., nn.Module], str]] = {
     "resnet20": (ResNet, "batch"),
 }
 _OPTIONS = {
-    "mlp": {"hidden"},
-    "vgg9": {"pan_fc", "width"},
-    "vgg11": {"width"},
-    "vgg13": {"width"},
-    "vgg16": {"width"},
+    "mlp": {"hidden", "grouped"},
+    "vgg9": {"pan_fc", "width", "grouped"},
+    "vgg11": {"width", "grouped"},
+    "vgg13": {"width", "grouped"},
+    "vgg16": {"width", "grouped"},
     "resnet20": {"widths", "stem_width", "blocks_per_stage"},
 }
 NAMES = tuple(_REGISTRY)
@@ -58,8 +59,9 @@ def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] 
 
     pan: None (off), a PANConfig or a mapping of its fields. norm: 'none' | 'batch' |
     'group' | 'group(G)' (None = the model's default: batch for resnet20, else none).
-    options: per-model extras (mlp: hidden; vgg9: pan_fc, width; vggN: width;
-    resnet20: widths, stem_width, blocks_per_stage).
+    options: per-model extras (mlp: hidden; vgg9: pan_fc, width; vggN: width; mlp and vgg*:
+    grouped, a `GroupedConfig` or mapping of its fields (Fed2 groups); resnet20: widths,
+    stem_width, blocks_per_stage).
     """
     key = str(name).lower()
     if key not in _REGISTRY:
@@ -73,6 +75,10 @@ def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] 
     ctor, default_norm = _REGISTRY[key]
     kind, groups = layers.parse_norm(norm if norm is not None else default_norm, num_groups)
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    if "grouped" in options:
+        options["grouped"] = grouped_lib.as_grouped(options["grouped"])
+        if options["grouped"] is not None:
+            options["grouped"].class_map(int(num_classes))  # fails early on a bad map
     return ctor(num_classes=int(num_classes), pan=as_config(pan), norm=kind, groups=groups,
                 **options)
 
@@ -121,6 +127,16 @@ def apply_with_intermediates(model: nn.Module, variables: Mapping[str, Any], x: 
     return logits, {k[:-cut]: v for k, v in state["intermediates"].items()}
 
 
+def group_owners(model: nn.Module, variables: Mapping[str, Any]) -> grouped_lib.Owners:
+    """Per grouped leaf of `variables`: (axis over groups, owner group of each index); empty
+    for a model without groups (see `fedjax_pan.models.grouped`)."""
+    gc = getattr(model, "grouped", None)
+    if gc is None:
+        return {}
+    return grouped_lib.group_owners(variables, model.group_layout(), int(gc.groups),
+                                    gc.class_map(model.num_classes))
+
+
 def count_params(variables: Mapping[str, Any]) -> int:
     """Number of trainable scalars (the 'params' collection only)."""
     params = variables.get("params", variables)
@@ -128,5 +144,6 @@ def count_params(variables: Mapping[str, Any]) -> int:
 
 
 __all__ = ["build", "init", "apply_with_intermediates", "activation_gradients", "count_params",
+           "group_owners",
            "NAMES",
            "MLP", "VGG", "ResNet"]
