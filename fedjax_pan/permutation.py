@@ -19,6 +19,11 @@ Architectures (parameter names of `fedjax_pan.models`):
 With GroupNorm, a permutation must keep every channel inside its group, so `groups[name]`
 records the constraint and the random generators shuffle within groups.
 
+Grouped (Fed2) models permute every grouped layer within its groups. A grouped conv's
+kernel (k, k, in/G, out), a grouped FC's (G, in/G, out/G) and the decoupled head's
+(G, F/G, C) hold one group's slice of the previous layer's channels on an axis, so that axis
+is reordered by the within-group part of the permutation, group by group (`InGroup`).
+
 Shuffle test (paper Alg. 1): start from the identity; for j = 0..J-2 draw i uniformly from
 j+1..J-1 and swap positions i and j with probability P_sf. The released code's window
 variant draws i from j..min(J-1, j + floor(J * window)).
@@ -43,7 +48,18 @@ class Flat(NamedTuple):
     name: str
 
 
-Axis = Union[None, str, Flat]
+class InGroup(NamedTuple):
+    """An axis holding one group's slice of permutation `name`'s channels (of G contiguous
+    groups); the group is the index along axis `by` (in G contiguous blocks). `flat`: the
+    slice flattens (spatial, channel) feature maps, channels fastest."""
+
+    name: str
+    by: int
+    groups: int
+    flat: bool = False
+
+
+Axis = Union[None, str, Flat, InGroup]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +122,39 @@ class _Builder:
         return PermutationSpec(dict(self.axes), dict(self.sizes), groups)
 
 
+def _grouped_spec(model: Any, variables: Mapping[str, Any]) -> PermutationSpec:
+    """The spec of a grouped MLP or VGG: shared layers as usual, grouped ones within groups."""
+    gc, layout = model.grouped, model.group_layout()
+    g = int(gc.groups)
+    b = _Builder(variables, getattr(model, "groups", 1))
+    prev: Axis = None
+    prev_conv = prev_grouped = False
+    for name in model.weight_layers():
+        conv = name.startswith("conv")
+        kind = layout.get(name)
+        if kind is None:  # shared
+            b.layer(name, Flat(prev) if prev_conv and not conv else prev, name)
+        elif kind == "head" or kind == "stacked":
+            entry = InGroup(prev, 0, g, flat=prev_conv) if prev_grouped else (
+                Flat(prev) if prev_conv else prev)
+            b._set(("params", name, "kernel"), 1, entry)
+            if kind == "stacked":
+                out = InGroup(name, 0, g)
+                b._set(("params", name, "kernel"), 2, out)
+                b._set(("params", name, "bias"), 1, out)
+                b.sizes[name] = int(np.prod(b.leaves[("params", name, "bias")].shape))
+        elif prev_grouped:  # a grouped conv: its input axis holds its group's slice
+            b.layer(name, None, name)
+            b._set(("params", name, "kernel"), 2, InGroup(prev, 3, g))
+        else:  # the first grouped layer: dense input, outputs in G blocks
+            b.layer(name, Flat(prev) if prev_conv and not conv else prev, name)
+        if kind is not None and kind != "head":
+            per_group = int(gc.norm_per_group) if conv and gc.norm == "group" else 1
+            b.group_of[name] = g * per_group
+        prev, prev_conv, prev_grouped = name, conv, kind is not None
+    return b.spec()
+
+
 def _numbered(params: Mapping[str, Any], prefix: str) -> list:
     names = [k for k in params if k.startswith(prefix) and k[len(prefix):].isdigit()]
     return sorted(names, key=lambda k: int(k[len(prefix):]))
@@ -113,6 +162,8 @@ def _numbered(params: Mapping[str, Any], prefix: str) -> list:
 
 def spec_for(model: Any, variables: Mapping[str, Any]) -> PermutationSpec:
     """The permutation spec of a `fedjax_pan.models` network (read from its parameters)."""
+    if getattr(model, "grouped", None) is not None:
+        return _grouped_spec(model, variables)
     groups = getattr(model, "groups", 1)
     b = _Builder(variables, groups)
     params = variables["params"]
@@ -150,6 +201,23 @@ def spec_for(model: Any, variables: Mapping[str, Any]) -> PermutationSpec:
     return b.spec()
 
 
+def _in_group_index(entry: InGroup, perms: Mapping[str, Any], shape: Tuple[int, ...],
+                    axis: int, xp) -> Any:
+    """take_along_axis indices for an `InGroup` axis: each group's own local permutation."""
+    perm = perms[entry.name]
+    g, n = entry.groups, perm.shape[0] // entry.groups
+    local = perm.reshape(g, n) - (xp.arange(g) * n)[:, None]  # (G, n), within-group
+    if entry.flat:
+        spatial = shape[axis] // n
+        local = (xp.arange(spatial)[None, :, None] * n + local[:, None, :]).reshape(g, -1)
+    table = local[(xp.arange(shape[entry.by]) * g) // shape[entry.by]]  # (len(by), len(axis))
+    if entry.by > axis:
+        table = table.T
+    index_shape = [1] * len(shape)
+    index_shape[entry.by], index_shape[axis] = shape[entry.by], shape[axis]
+    return table.reshape(index_shape)
+
+
 def _axis_index(axis: Axis, perms: Mapping[str, Any], length: int, xp) -> Any:
     if isinstance(axis, Flat):
         perm = perms[axis.name]
@@ -169,7 +237,10 @@ def apply_permutation(spec: PermutationSpec, perms: Mapping[str, Any],
             raise KeyError(f"leaf {'/'.join(key)} is not covered by the permutation spec")
         xp = jnp if isinstance(leaf, jax.Array) else np
         for axis, entry in enumerate(axes):
-            if entry is not None:
+            if isinstance(entry, InGroup):
+                index = _in_group_index(entry, perms, leaf.shape, axis, xp)
+                leaf = xp.take_along_axis(leaf, xp.broadcast_to(index, leaf.shape), axis=axis)
+            elif entry is not None:
                 leaf = xp.take(leaf, _axis_index(entry, perms, leaf.shape[axis], xp), axis=axis)
         return leaf
     return jax.tree_util.tree_map_with_path(permute, dict(variables))

@@ -46,6 +46,42 @@ def test_pans_off_networks_are_permutation_invariant(name, norm):
         np.testing.assert_array_equal(a, b)
 
 
+GROUPED = {  # the first grouped layer a conv, an FC; a grouped conv feeding the head (vgg11)
+    "mlp": ("mlp", {"hidden": [20, 20, 20], "grouped": {"groups": 5, "depth": 3}}, (4, 4, 1)),
+    "vgg9_conv": ("vgg9", {"width": 0.125, "grouped": {"groups": 2, "depth": 5}}, (8, 8, 1)),
+    "vgg9_fc": ("vgg9", {"width": 0.125, "grouped": {"groups": 2, "depth": 3}}, (8, 8, 1)),
+    "vgg11": ("vgg11", {"width": 0.125, "grouped": {"groups": 2, "depth": 3}}, (8, 8, 1)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GROUPED))
+def test_grouped_models_are_invariant_to_within_group_permutations(case):
+    name, options, shape = GROUPED[case]
+    model = models.build(name, 10, **options)
+    variables = models.init(model, jax.random.PRNGKey(0), shape)
+    rng = np.random.default_rng(4)  # nonzero biases and GroupNorm shifts, so order matters
+    variables = jax.tree_util.tree_map(
+        lambda x: x + jnp.asarray(0.1 * rng.normal(size=x.shape), x.dtype), variables)
+    spec = P.spec_for(model, variables)
+    perms = P.random_permutations(spec, np.random.default_rng(1), p_sf=1.0)
+    g = model.grouped.groups
+    for layer in model.group_layout():
+        if layer != "head":  # grouped layers shuffle within their groups only
+            assert spec.groups[layer] == g
+            width = spec.sizes[layer] // g
+            np.testing.assert_array_equal(perms[layer] // width, np.arange(spec.sizes[layer])
+                                          // width)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(4, *shape)), jnp.float32)
+    assert P.shuffle_error(model, variables, perms, spec, x) < 1e-6 * float(
+        jnp.max(jnp.abs(model.apply(variables, x))))
+    with_pans = models.build(name, 10, pan={"kind": "mul", "amplitude": 0.5}, **options)
+    assert P.shuffle_error(with_pans, variables, perms, spec, x) > 1e-4
+    back = P.apply_permutation(spec, P.inverse(perms), P.apply_permutation(spec, perms,
+                                                                           variables))
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(variables)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_spec_structure_of_vgg9_and_resnet20():
     model, variables = _model("vgg9", "batch")
     spec = P.spec_for(model, variables)
