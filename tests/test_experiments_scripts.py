@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -192,6 +193,36 @@ def test_universal_runs_every_algorithm_with_and_without_pans(tmp_path):
     pairs = universal.best_vs_off([{**r, "mean": float(r["mean"])} for r in table])
     assert set(pairs) == {"fedavg", "moon"}
     assert os.path.getsize(os.path.join(out, "fig9_universal.png")) > 10_000
+
+
+def test_fed2_compare_runs_and_tabulates_its_runs(tmp_path):
+    from experiments import fed2_compare
+    from fedjax_pan import experiment
+    for preset in ("cpu", "paper"):  # every run of the long presets is a valid config
+        s = fed2_compare.PRESETS[preset]
+        for method in s.methods:
+            for classes in s.classes:
+                experiment.validate(fed2_compare.run_config(s, method, classes, 0))
+    out = str(tmp_path / "f")
+    assert fed2_compare.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    runs = common.read_csv(os.path.join(out, "fed2_runs.csv"))
+    assert {r["method"] for r in runs} == {"fedavg", "fed2_pans"}
+    upload = {r["method"]: float(r["upload_bytes_per_client"]) for r in runs}
+    # Without trimming every client sends its whole model (float32), Fed2 also its 5 group
+    # weights; the grouped MLP's block-diagonal layer has fewer parameters.
+    from fedjax_pan import models
+    plain = models.build("mlp", 10, hidden=[20, 20, 20])
+    grouped = models.build("mlp", 10, hidden=[20, 20, 20], grouped={"groups": 5, "depth": 3})
+    count = lambda m: models.count_params(models.init(m, jax.random.PRNGKey(0),  # noqa: E731
+                                                      (28, 28, 1)))
+    assert upload["fedavg"] == 4 * count(plain)
+    assert upload["fed2_pans"] == 4 * (count(grouped) + 5) < upload["fedavg"]
+    for row in common.read_csv(os.path.join(out, "fed2_compare.csv")):
+        mine = [float(r["final_accuracy"]) for r in runs if r["method"] == row["method"]]
+        assert float(row["mean"]) == pytest.approx(np.mean(mine))
+    config = _json(os.path.join(out, "runs", "fed2_pans_c2_s0", "config.json"))
+    assert config["algorithm"] == "fed2" and config["model"]["options"]["grouped"]["groups"] == 5
+    assert os.path.getsize(os.path.join(out, "fed2_compare.png")) > 10_000
 
 
 def test_a_failing_overwrite_keeps_the_old_results(tmp_path, monkeypatch, capsys):
