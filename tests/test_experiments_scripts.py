@@ -16,12 +16,12 @@ from conftest import ROOT
 if ROOT not in sys.path:  # `experiments` is a folder of the checkout, not an installed package
     sys.path.insert(0, ROOT)
 
-from experiments import (alignment, common, r_kept, shuffle_accuracy,  # noqa: E402
-                         shuffle_error, weight_divergence)
+from experiments import (alignment, common, r_kept, sharing_depth,  # noqa: E402
+                         shuffle_accuracy, shuffle_error, weight_divergence)
 
 SCRIPTS = {"r_kept": r_kept, "shuffle_error": shuffle_error,
            "shuffle_accuracy": shuffle_accuracy, "weight_divergence": weight_divergence,
-           "alignment": alignment}
+           "alignment": alignment, "sharing_depth": sharing_depth}
 
 
 def _finite(values):
@@ -135,6 +135,20 @@ def test_alignment(runs):
         for layer in ("fc2", "fc3"):
             for fig in ("fig7_assignment", "fig8_preferences"):
                 assert os.path.getsize(os.path.join(d, f"{fig}_{layer}_{side}.png")) > 0
+
+
+def test_sharing_depth(runs):
+    out = _json(os.path.join(runs["sharing_depth"], "sharing_depth.json"))
+    tv = out["total_variance"]
+    assert list(tv) == ["fc1", "fc2", "fc3"] and _finite(tv.values())
+    shared = out["shared_layers"]
+    # The shared layers are those before the first TV above the threshold.
+    assert all(v <= out["threshold"] for v in list(tv.values())[:shared])
+    assert shared == len(tv) or list(tv.values())[shared] > out["threshold"]
+    assert out["grouped_depth"] == max(2, 4 - shared)  # 3 hidden layers + the head
+    rows = common.read_csv(os.path.join(runs["sharing_depth"], "sharing_depth.csv"))
+    assert [r["layer"] for r in rows] == list(tv)
+    assert os.path.getsize(os.path.join(runs["sharing_depth"], "fig10_sharing_depth.png")) > 5000
 
 
 def test_refuses_non_empty_out(tmp_path):

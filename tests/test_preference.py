@@ -8,6 +8,7 @@ import pytest
 
 from conftest import random_variables
 from fedjax_pan import data, models
+from fedjax_pan.analysis.preference import grouped_depth, sharing_depth
 from fedjax_pan.analysis import (class_agreement, layerwise_total_variance, neuron_classes,
                                  preference_vectors, total_variance)
 
@@ -136,3 +137,17 @@ def test_layerwise_total_variance(mlp):
     expected = np.mean(np.linalg.norm(normed - normed.mean(axis=0), axis=1))
     assert tv["features"] == pytest.approx(expected, rel=1e-3)
     assert np.isfinite(tv["fc1"]) and tv["fc1"] >= 0.0
+
+
+def test_sharing_depth_by_hand():
+    tv = {"conv1": 0.1, "conv2": 0.2, "conv3": 0.9, "fc1": 0.3, "fc2": 1.0}
+    # threshold = 0.1 + 0.5 * (1.0 - 0.1) = 0.55: conv3 is the first layer above it.
+    assert sharing_depth(tv) == (2, pytest.approx(0.55))
+    assert sharing_depth(tv, threshold=0.95) == (4, 0.95)
+    assert sharing_depth(tv, threshold=2.0)[0] == 5  # nothing above: share everything
+    assert sharing_depth({"a": float("nan"), "b": 0.1, "c": 0.5}, relative=0.5)[0] == 2
+    layers = ["conv1", "conv2", "conv3", "fc1", "fc2", "head"]
+    assert grouped_depth(layers, 2) == 4  # conv3, fc1, fc2 and the head
+    assert grouped_depth(layers, 5) == 2  # at least one grouped hidden layer and the head
+    with pytest.raises(ValueError, match="finite"):
+        sharing_depth({"a": float("nan")})

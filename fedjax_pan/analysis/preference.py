@@ -15,7 +15,7 @@ which then dominate TV; normalize='l1' is offered as a robust variant (not the p
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, Mapping, Sequence, Tuple, Union
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
 import jax
@@ -164,5 +164,29 @@ def layerwise_total_variance(model: nn.Module, variables: Mapping[str, Any], ima
     return {name: total_variance(prefs[name], normalize) for name in layers}
 
 
+def sharing_depth(tv: Mapping[str, float], threshold: Optional[float] = None,
+                  relative: float = 0.5) -> Tuple[int, float]:
+    """(layers to share, threshold) from layer-wise TV in network order (Fed2 Sect. 5.1).
+
+    The shared part is every layer before the first whose TV exceeds the threshold (all of
+    them when none does); `threshold` defaults to min + relative * (max - min) of the TVs.
+    NaN TVs (layers without live neurons) never end the shared part.
+    """
+    values = np.asarray([tv[name] for name in tv], np.float64)
+    finite = values[np.isfinite(values)]
+    if not len(finite):
+        raise ValueError("no layer has a finite total variance")
+    if threshold is None:
+        threshold = float(finite.min() + relative * (finite.max() - finite.min()))
+    over = np.flatnonzero(np.isfinite(values) & (values > threshold))
+    return (int(over[0]) if len(over) else len(values)), float(threshold)
+
+
+def grouped_depth(weight_layers: Sequence[str], shared: int) -> int:
+    """The `GroupedConfig.depth` that shares the first `shared` hidden layers (>= 2: the
+    head and at least one grouped hidden layer)."""
+    return int(min(max(len(weight_layers) - shared, 2), len(weight_layers)))
+
+
 __all__ = ["preference_vectors", "neuron_classes", "class_agreement", "total_variance",
-           "layerwise_total_variance"]
+           "layerwise_total_variance", "sharing_depth", "grouped_depth"]
