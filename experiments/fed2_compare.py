@@ -2,8 +2,9 @@
 
 N clients each hold C classes (`pathological` partition), every client trains in every
 round. Methods: `fedavg` (the plain network), `fed2` (G groups over the last `depth`
-layers, GroupNorm in the grouped layers, feature paired averaging), and both with PANx
-(T = 1, A = 0.1): `fedavg_pans`, `fed2_pans`. Every run goes through the library's training
+layers, GroupNorm in the grouped layers, feature paired averaging), both with PANx
+(T = 1, A = 0.1): `fedavg_pans`, `fed2_pans`, and `psinet` (Fed2 whose clients trim the
+groups of classes they lack, paper 004: smaller uploads). Every run goes through the library's training
 loop into `runs/<method>_c<C>_s<seed>/`.
 
 Presets:
@@ -33,7 +34,7 @@ import numpy as np
 
 from experiments import common
 
-METHODS = ("fedavg", "fed2", "fedavg_pans", "fed2_pans")
+METHODS = ("fedavg", "fed2", "fedavg_pans", "fed2_pans", "psinet")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +79,10 @@ def run_config(s: Settings, method: str, classes: int, seed: int):
     cfg.participation = 1.0
     cfg.local.epochs = s.epochs
     cfg.pan.amplitude = 0.1 if method.endswith("_pans") else 0.0
-    if method.startswith("fed2"):
+    if method.startswith("fed2") or method == "psinet":
         cfg.algorithm = "fed2"
         cfg.model.options.grouped = {"groups": s.groups, "depth": s.depth}
+        cfg.fed2.trim = method == "psinet"
     cfg.checkpoint_every = max(1, s.rounds // 3)
     return cfg
 
@@ -154,7 +156,8 @@ def plot(curves: Dict[Tuple[str, int, int], List[Dict[str, Any]]], s: Settings,
             rounds = [r["round"] for r in runs[0]]
             acc = 100 * np.mean([[r["test_accuracy"] for r in run] for run in runs], axis=0)
             ax.plot(rounds, acc, label=method, linestyle="--" if "pans" in method else "-",
-                    color="tab:red" if method.startswith("fed2") else "tab:blue")
+                    color={"fedavg": "tab:blue", "fed2": "tab:red"}.get(
+                        method.split("_")[0], "tab:green"))
         ax.set(xlabel="round", ylabel="test accuracy (%)",
                title=f"{s.dataset}, N={s.num_clients} x C={classes}")
         ax.grid(alpha=0.3)
