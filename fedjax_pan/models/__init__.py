@@ -1,5 +1,8 @@
 """Model zoo: `build(name, num_classes, pan=..., norm=..., **options)` returns a flax module.
 
+Models (`NAMES`): mlp, vgg9/11/13/16, resnet20 and mobilenet (MobileNetV1, CIFAR variant);
+mlp, vgg* and mobilenet also take Fed2's grouped structure (`grouped=`).
+
 Every model is called as `model.apply(variables, x, train=False)` on NHWC images and
 returns logits. Hidden activations and the penultimate representation (`features`) are
 sown into the 'intermediates' collection; `apply_with_intermediates` reads them.
@@ -24,6 +27,7 @@ import numpy as np
 from fedjax_pan.models import grouped as grouped_lib
 from fedjax_pan.models import layers
 from fedjax_pan.models.mlp import MLP
+from fedjax_pan.models.mobilenet import MobileNetV1
 from fedjax_pan.models.resnet import ResNet
 from fedjax_pan.models.vgg import CONV_PLANS, FC_HIDDEN, VGG
 from fedjax_pan.pan import PANLike, as_config
@@ -41,6 +45,7 @@ _REGISTRY: Dict[str, Tuple[Callable[..., nn.Module], str]] = {
     "vgg13": (_vgg("vgg13"), "none"),
     "vgg16": (_vgg("vgg16"), "none"),
     "resnet20": (ResNet, "batch"),
+    "mobilenet": (MobileNetV1, "batch"),
 }
 _OPTIONS = {
     "mlp": {"hidden", "grouped"},
@@ -49,6 +54,7 @@ _OPTIONS = {
     "vgg13": {"width", "grouped"},
     "vgg16": {"width", "grouped"},
     "resnet20": {"widths", "stem_width", "blocks_per_stage"},
+    "mobilenet": {"width", "grouped"},
 }
 NAMES = tuple(_REGISTRY)
 
@@ -58,10 +64,10 @@ def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] 
     """Builds model `name` with `num_classes` outputs.
 
     pan: None (off), a PANConfig or a mapping of its fields. norm: 'none' | 'batch' |
-    'group' | 'group(G)' (None = the model's default: batch for resnet20, else none).
-    options: per-model extras (mlp: hidden; vgg9: pan_fc, width; vggN: width; mlp and vgg*:
-    grouped, a `GroupedConfig` or mapping of its fields (Fed2 groups); resnet20: widths,
-    stem_width, blocks_per_stage).
+    'group' | 'group(G)' (None = the model's default: batch for resnet20 and mobilenet,
+    else none). options: per-model extras (mlp: hidden; vgg9: pan_fc, width; vggN and
+    mobilenet: width; mlp, vgg* and mobilenet: grouped, a `GroupedConfig` or mapping of its
+    fields (Fed2 groups); resnet20: widths, stem_width, blocks_per_stage).
     """
     key = str(name).lower()
     if key not in _REGISTRY:
@@ -146,4 +152,4 @@ def count_params(variables: Mapping[str, Any]) -> int:
 __all__ = ["build", "init", "apply_with_intermediates", "activation_gradients", "count_params",
            "group_owners",
            "NAMES",
-           "MLP", "VGG", "ResNet"]
+           "MLP", "VGG", "ResNet", "MobileNetV1"]
