@@ -15,7 +15,8 @@ Architectures (parameter names of `fedjax_pan.models`):
            last conv's channel permutation onto the flattened (H, W, C) axis ('flat' axes);
   resnet   one permutation per stage for the residual stream (stem, every block's conv2 and
            projection shortcut of that stage, so residual sums stay consistent) and one for
-           the inner channels of every block (its conv1).
+           the inner channels of every block (its conv1);
+  mobilenet  one per stem and pointwise conv; a depthwise conv follows its input's.
 With GroupNorm, a permutation must keep every channel inside its group, so `groups[name]`
 records the constraint and the random generators shuffle within groups.
 
@@ -155,6 +156,39 @@ def _grouped_spec(model: Any, variables: Mapping[str, Any]) -> PermutationSpec:
     return b.spec()
 
 
+def _mobilenet_spec(model: Any, variables: Mapping[str, Any]) -> PermutationSpec:
+    """MobileNetV1: one permutation per stem and pointwise conv; each depthwise conv (and
+    its norm) follows its input's, its channels being tied to them. Grouped blocks permute
+    within groups, their grouped pointwise kernels by `InGroup`."""
+    gc, layout = getattr(model, "grouped", None), model.group_layout()
+    g = int(gc.groups) if gc is not None else 1
+    within = g * (int(gc.norm_per_group) if gc is not None and gc.norm == "group" else 1)
+    b = _Builder(variables, getattr(model, "groups", 1))
+    b.layer("stem", None, "stem")
+    prev, prev_grouped = "stem", "stem" in layout
+    if prev_grouped:
+        b.group_of["stem"] = within
+    for i in range(1, len(model.weight_layers()) - 1):
+        dw, pw = f"block{i}_dw", f"block{i}_pw"
+        constraint = b.group_of.get(prev)
+        b.layer(dw, None, prev)
+        if constraint is not None or prev_grouped:  # a depthwise GroupNorm nests in these
+            b.group_of[prev] = within if prev_grouped else constraint
+        if pw in layout and prev_grouped:
+            b.layer(pw, None, pw)
+            b._set(("params", pw, "kernel"), 2, InGroup(prev, 3, g))
+        else:
+            b.layer(pw, prev, pw)
+        if pw in layout:
+            b.group_of[pw] = within
+        prev, prev_grouped = pw, pw in layout
+    if "head" in layout:
+        b._set(("params", "head", "kernel"), 1, InGroup(prev, 0, g))
+    else:
+        b.layer("head", prev, None)
+    return b.spec()
+
+
 def _numbered(params: Mapping[str, Any], prefix: str) -> list:
     names = [k for k in params if k.startswith(prefix) and k[len(prefix):].isdigit()]
     return sorted(names, key=lambda k: int(k[len(prefix):]))
@@ -162,6 +196,8 @@ def _numbered(params: Mapping[str, Any], prefix: str) -> list:
 
 def spec_for(model: Any, variables: Mapping[str, Any]) -> PermutationSpec:
     """The permutation spec of a `fedjax_pan.models` network (read from its parameters)."""
+    if "block1_dw" in variables["params"]:
+        return _mobilenet_spec(model, variables)
     if getattr(model, "grouped", None) is not None:
         return _grouped_spec(model, variables)
     groups = getattr(model, "groups", 1)

@@ -82,6 +82,31 @@ def test_grouped_models_are_invariant_to_within_group_permutations(case):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("options", [{}, {"grouped": {"groups": 2, "depth": 6}}])
+def test_mobilenet_is_permutation_invariant_and_depthwise_convs_follow_their_input(options):
+    model = models.build("mobilenet", 10, width=0.125, **options)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 8, 3))))
+    rng = np.random.default_rng(0)  # random parameters and running statistics (init is slow)
+    variables = {k: jax.tree_util.tree_map(
+        lambda s: jnp.asarray(0.3 * rng.normal(size=s.shape), jnp.float32), shapes[k])
+        for k in ("params", "batch_stats")}
+    variables["batch_stats"] = jax.tree_util.tree_map(lambda v: jnp.abs(v) + 0.5,
+                                                      variables["batch_stats"])
+    spec = P.spec_for(model, variables)
+    assert spec.axes[("params", "block3_dw", "kernel")] == (None, None, None, "block2_pw")
+    assert spec.axes[("batch_stats", "block3_dw_norm", "var")] == ("block2_pw",)
+    assert spec.axes[("params", "block3_pw", "kernel")] == (None, None, "block2_pw", "block3_pw")
+    perms = P.random_permutations(spec, np.random.default_rng(1), p_sf=1.0)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(4, 8, 8, 3)), jnp.float32)
+    scale = float(jnp.max(jnp.abs(model.apply(variables, x))))
+    assert P.shuffle_error(model, variables, perms, spec, x) < 1e-6 * scale
+    with_pans = models.build("mobilenet", 10, width=0.125, pan={"amplitude": 0.5}, **options)
+    assert P.shuffle_error(with_pans, variables, perms, spec, x) > 1e-3
+    if options:  # grouped blocks 9-13 shuffle within their 2 groups
+        assert spec.groups["block12_pw"] == 2 and spec.groups["block8_pw"] == 1
+        assert spec.axes[("params", "block11_pw", "kernel")][2] == P.InGroup("block10_pw", 3, 2)
+
+
 def test_spec_structure_of_vgg9_and_resnet20():
     model, variables = _model("vgg9", "batch")
     spec = P.spec_for(model, variables)
