@@ -26,9 +26,8 @@ import optax
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, Aggregator, FederatedAlgorithm,
-                                        no_client_state)
-from fedjax_pan.algorithms.fedavg import ServerState
+from fedjax_pan.algorithms.core import AlgorithmEntry, Aggregator, FederatedAlgorithm
+from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.rules import Rule, boolean, one_of
 
 PyTree = Any
@@ -57,14 +56,12 @@ def owned_mask(owners, path, shape, per_group: jax.Array):
     return per_group[jnp.asarray(owner)].reshape((-1,) + (1,) * (len(shape) - axis - 1))
 
 
-def _map_grouped(fn_grouped, fn_shared, owners, tree: PyTree, *rest: PyTree) -> PyTree:
-    """Applies fn_grouped(path, leaf, *rest_leaves) to grouped leaves, fn_shared elsewhere."""
-    def one(path, leaf, *others):
+def _map_grouped(fn_grouped, fn_shared, owners, params: PyTree) -> PyTree:
+    """fn_grouped(path, leaf) on grouped leaves of a params tree, fn_shared(leaf) elsewhere."""
+    def one(path, leaf):
         key = ("params",) + tuple(k.key for k in path)
-        if key in owners:
-            return fn_grouped(key, leaf, *others)
-        return fn_shared(leaf, *others)
-    return jax.tree_util.tree_map_with_path(one, tree, *rest)
+        return fn_grouped(key, leaf) if key in owners else fn_shared(leaf)
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
@@ -82,10 +79,6 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
     groups = int(gc.groups)
     class_map = gc.class_map(model.num_classes)
     owners_of = lambda params: models.group_owners(model, {"params": params})  # noqa: E731
-
-    def server_init(variables):
-        params, model_state = local_lib.split_variables(variables)
-        return ServerState(params, model_state, server_tx.init(params), jnp.zeros((), jnp.int32))
 
     def client_init(server, client_state, ctx):
         del client_state
@@ -148,20 +141,12 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
                                              output_sum["model_state"])
         return {"delta": delta, "model_state": model_state}
 
-    def server_update(server, mean_output, info):
-        del info
-        pseudo_grad = jax.tree_util.tree_map(jnp.negative, mean_output["delta"])
-        updates, opt_state = server_tx.update(pseudo_grad, server.opt_state, server.params)
-        params = optax.apply_updates(server.params, updates)
-        return ServerState(params, mean_output["model_state"], opt_state, server.round + 1)
-
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
-
-    return FederatedAlgorithm(server_init, no_client_state, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              Aggregator(finalize), upload_bytes)
-
+    # Server state, update and evaluation are FedAvg's: `finalize` hands its server update
+    # the mean delta it expects, averaged group by group.
+    base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length)
+    return base._replace(client_init=client_init, client_step=client_step,
+                         client_output=client_output, aggregator=Aggregator(finalize),
+                         upload_bytes=upload_bytes)
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
