@@ -26,7 +26,6 @@ from types import MappingProxyType
 from typing import Any, List, Optional, Sequence, Tuple
 
 import jax
-import numpy as np
 
 from experiments import common
 

@@ -89,15 +89,14 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def client_step(local, batch, server):
         del server
-        loss = local_lib.masked_cross_entropy
-        if trim:
-            kept = (local.group_counts > 0)[jnp.asarray(class_map)]  # (C,) classes kept
+        kept = (local.group_counts > 0)[jnp.asarray(class_map)]  # (C,) classes kept
 
-            def loss(logits, labels, mask):  # trimmed classes leave the softmax
-                logits = jnp.where(kept, logits, jnp.finfo(logits.dtype).min)
-                return local_lib.masked_cross_entropy(logits, labels, mask)
-        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch, warmup,
-                                            warmup_length, loss=loss)
+        def trimmed(logits, labels, mask):  # trimmed classes leave the softmax
+            logits = jnp.where(kept, logits, jnp.finfo(logits.dtype).min)
+            return local_lib.masked_cross_entropy(logits, labels, mask)
+        train, metrics = local_lib.sgd_step(
+            model, client_tx, local.train, batch, warmup, warmup_length,
+            loss=trimmed if trim else local_lib.masked_cross_entropy)
         return Local(train, local.group_counts), metrics
 
     def sent_groups(local):
