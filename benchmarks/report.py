@@ -17,6 +17,10 @@ TARGETS = (
     ("Scaffold round <= 1.25x FedAvg's", "algo_scaffold", 1.25, "<="),
     ("FedDyn round <= 1.25x FedAvg's", "algo_feddyn", 1.25, "<="),
     ("MOON round <= 1.9x FedAvg's (three forward passes)", "algo_moon", 1.90, "<="),
+    ("auto's grouped conv within 10% of the fastest (grouped VGG9 step)", "grouped_impl",
+     1.10, "<="),
+    ("auto within 10% of the best strategy (grouped models)", "grouped_strategy", 1.10,
+     "<="),
 )
 
 
@@ -33,6 +37,11 @@ def _target_value(results: Results, key: str) -> Optional[float]:
     if key.startswith("algo_") and "algorithms" in results:
         rec = results["algorithms"]["algorithms"].get(key[len("algo_"):])
         return None if rec is None else rec["vs_fedavg"]
+    if key == "grouped_impl" and "grouped_conv" in results:
+        return results["grouped_conv"]["vgg_step"]["auto"]["ratio_to_best"]
+    if key == "grouped_strategy" and results.get("grouped_conv", {}).get("rounds"):
+        return max(b["auto"]["ratio_to_best"]
+                   for b in results["grouped_conv"]["rounds"].values())
     if key == "auto_vgg9" and "vgg" in results:
         gated = [b for b in results["vgg"].values() if b["gates_auto_target"]]
         return max(b["auto"]["ratio_to_best"] for b in gated) if gated else None
@@ -157,6 +166,64 @@ def _blocks(results: Results) -> List[tuple]:
         blocks.append(_profile_block(results))
     if "algorithms" in results:
         blocks.append(_algorithms_block(results))
+    if "grouped_conv" in results:
+        blocks += _grouped_blocks(results["grouped_conv"])
+    return blocks
+
+
+def _impl_rows(label: str, impls: Dict[str, Dict[str, Any]], auto: str) -> List[List[str]]:
+    base = impls[auto]["seconds"]
+    return [[label, f"{k} (auto)" if k == auto else k, f"{1e3 * v['seconds']:.2f}",
+             f"{v['gflops']:.1f}", f"{100 * v['fraction_of_ceiling']:.1f}%",
+             f"{v['seconds'] / base:.2f}", str(v["reps"])] for k, v in impls.items()]
+
+
+def _grouped_blocks(r: Dict[str, Any]) -> List[tuple]:
+    """Grouped conv layers and step per implementation; grouped rounds per strategy."""
+    header = ["shape", "implementation", "ms", "GFLOP/s", "% ceiling", "vs auto", "reps"]
+    rows, notes = [], []
+    for layer in r["layers"]:
+        rows += _impl_rows(layer["key"], layer["impls"], layer["auto"]["picks"])
+        d = layer["dense"]
+        rows.append([layer["key"].replace(f"G{layer['groups']}", "G1"), "dense reference",
+                     f"{1e3 * d['seconds']:.2f}", f"{d['gflops']:.1f}",
+                     f"{100 * d['fraction_of_ceiling']:.1f}%", "-", str(d["reps"])])
+        a = layer["auto"]
+        notes.append(f"{layer['key']}: auto picks {a['picks']} (fastest {a['best']}, "
+                     f"auto/fastest {a['ratio_to_best']:.2f}); slowest {a['slowest']} is "
+                     f"{a['slowest_over_auto']:.1f}x auto")
+    blocks = [(f"Grouped conv layers, forward + backward ({r['backend']})", [
+        "one conv's forward and its input and kernel gradients; GFLOP/s counts the grouped "
+        "conv's real FLOPs (3 x 2 x B x H x W x k^2 x C/G x C), the dense reference its "
+        "own (G times more)"] + notes, header, rows)]
+    s = r["vgg_step"]
+    a = s["auto"]
+    blocks.append(("Grouped VGG9 local step per conv implementation", [
+        f"Fed2 VGG9 width {s['width']:g}, input {'x'.join(map(str, s['input_shape']))}, "
+        f"G={s['groups']} over the last {s['depth']} weight layers, B={s['batch_size']}, "
+        f"{s['params']:,} params; one momentum-SGD step (`local.sgd_step`), "
+        f"{s['flops'] / 1e6:.1f} MFLOP (3 x XLA's forward count)",
+        f"auto picks {a['picks']} (fastest {a['best']}, auto/fastest "
+        f"{a['ratio_to_best']:.2f}); slowest {a['slowest']} is "
+        f"{a['slowest_over_auto']:.1f}x auto"], header[1:],
+        [row[1:] for row in _impl_rows("", s["impls"], a["picks"])]))
+    if r["rounds"]:
+        rows, notes = [], []
+        for key, b in r["rounds"].items():
+            auto = b["auto"]["picks"]
+            for name, rec in b["strategies"].items():
+                rows.append([key, f"{name} (auto)" if name == auto else name,
+                             f"{rec['seconds_per_round']:.3f}", f"{rec['gflops']:.1f}",
+                             f"{100 * rec['fraction_of_ceiling']:.1f}%",
+                             f"{rec['compiles_warmup']}/{rec['compiles_timed']}",
+                             str(rec["reps"])])
+            impls = ", ".join(b["conv_impls"]) or "no G-group convs"
+            notes.append(f"{_describe(b['workload'])}; grouped convs: {impls}; auto picks "
+                         f"{auto}, best {b['auto']['best']}, auto/best "
+                         f"{b['auto']['ratio_to_best']:.3f}")
+        blocks.append(("Execution strategy for grouped models", notes,
+                       ["model", "strategy", "s/round", "GFLOP/s", "% ceiling",
+                        "compiles warm/timed", "reps"], rows))
     return blocks
 
 

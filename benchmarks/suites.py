@@ -1,4 +1,4 @@
-"""The measurements: matmul ceiling, MLP bench, padding, conv nets, scaling.
+"""The measurements: matmul ceiling, MLP bench, padding, conv nets, scaling, grouped convs.
 
 Every figure is measured in this one process after warm-up: each configuration runs
 `warmup` untimed rounds (which absorb compilation; their compile count and seconds are
@@ -11,7 +11,8 @@ budget. The matmul ceiling is re-measured right before each section, which divid
 own measurement.
 
 FLOPs: the MLP bench counts 6 x parameters per real (unmasked) training example, as the
-issue defines it; convnets count 3 x the forward FLOPs of XLA's cost analysis. Padded
+issue defines it; convnets count 3 x the forward FLOPs of XLA's cost analysis; grouped
+convs count a grouped conv's real FLOPs (never a block-diagonal expansion's zeros). Padded
 examples are never counted as useful work.
 """
 
@@ -37,15 +38,18 @@ from benchmarks import profile_step
 from benchmarks.naive import NaiveFedAvg, engine_orders, max_rel_diff
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
-from fedjax_pan.algorithms import client_optimizer, fedavg
+from fedjax_pan.models.grouped import GroupedConfig
+from fedjax_pan.algorithms import client_optimizer, fedavg, local
 from fedjax_pan.engine import (ClientData, LocalWork, Simulation, count_compiles,
                                make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.clients import real_examples
 from fedjax_pan.engine.execution import VmapExecutor
+from fedjax_pan.models import grouped as grouped_lib
 
 PyTree = Any
 Log = Callable[[str], None]
-SECTIONS = ("mlp", "padding", "vgg", "scaling", "profile", "algorithms")
+SECTIONS = ("mlp", "padding", "vgg", "scaling", "profile", "algorithms", "grouped_conv")
+CONCRETE_IMPLS = tuple(i for i in grouped_lib.CONV_IMPLS if i != "auto")
 MLP_PARAMS = 2_913_290  # 784-1024-1024-1024-10
 
 
@@ -66,6 +70,38 @@ class ConvBench:
     batch_size: int
     test_examples: int
     gates_auto: bool  # counts for the "auto within 10% of best" target
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedLayer:
+    """One grouped conv layer shape of the `grouped_conv` section (square, 'same' padded)."""
+
+    batch: int
+    size: int  # height = width
+    channels: int  # in = out
+    groups: int
+    kernel: int = 3
+
+    @property
+    def key(self) -> str:
+        return (f"B{self.batch} {self.size}x{self.size} C{self.channels} G{self.groups} "
+                f"k{self.kernel}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedRound:
+    """A grouped model whose round the `grouped_conv` section times per strategy."""
+
+    key: str
+    model: str  # 'vgg9' or 'mlp'
+    options: Tuple[Tuple[str, Any], ...]  # models.build options besides `grouped`
+    groups: int
+    depth: int
+    input_shape: Tuple[int, int, int]
+    clients_per_round: int
+    examples: int  # per client
+    batch_size: int
+    epochs: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +141,16 @@ class Settings:
     # Scaling: MLP bench at several clients per round.
     scaling_per_round: Tuple[int, ...] = (10, 20, 50, 100)
     scaling_reps: int = 2
+    # Grouped convs: layers, a grouped VGG9's local step per implementation, strategies.
+    grouped_layers: Tuple[GroupedLayer, ...] = (
+        GroupedLayer(64, 8, 260, 10), GroupedLayer(64, 4, 260, 10),
+        GroupedLayer(64, 8, 260, 2), GroupedLayer(64, 4, 260, 2),
+        GroupedLayer(64, 8, 64, 32))  # 2 channels per group: auto's other branch
+    grouped_reps: int = 10  # per layer / step timing, within `grouped_budget_s`
+    grouped_budget_s: float = 4.0  # timed seconds per configuration (at least one call)
+    grouped_step: Tuple[float, Tuple[int, int, int], int] = (1.0, (28, 28, 1), 64)
+    grouped_groups: int = 10
+    grouped_rounds: Tuple[GroupedRound, ...] = ()
 
 
 def make_settings(suite: str = "cpu", quick: bool = False,
@@ -125,7 +171,14 @@ def make_settings(suite: str = "cpu", quick: bool = False,
             test_examples=500, eval_batch_size=250, naive_reps=r,
             padding_dataset="synthetic", padding_clients=10, padding_per_round=5,
             padding_epochs=1, padding_block_sizes=(2,), padding_reps=1, padding_cohorts=20,
-            conv=conv, slow_round_s=5.0, scaling_per_round=(2, 5, 10), scaling_reps=1)
+            conv=conv, slow_round_s=5.0, scaling_per_round=(2, 5, 10), scaling_reps=1,
+            grouped_layers=(GroupedLayer(8, 4, 24, 4),), grouped_reps=r,
+            grouped_budget_s=0.5, grouped_step=(0.125, (8, 8, 1), 8), grouped_groups=2,
+            grouped_rounds=(
+                GroupedRound("vgg9_grouped", "vgg9", (("width", 0.125),), 2, 6, (8, 8, 1),
+                             2, 16, 8, 1),
+                GroupedRound("mlp_grouped", "mlp", (("hidden", (32, 32, 32)),), 2, 3,
+                             (8, 8, 1), 2, 16, 8, 1)))
     r = reps or 3
     conv = (
         # Full-width VGG9 at a small workload: vmapped convs in compiled loops run ~20x slower
@@ -133,9 +186,17 @@ def make_settings(suite: str = "cpu", quick: bool = False,
         ConvBench("vgg9_32x32x3", "vgg9", 1.0, (32, 32, 3), 10, 16, 16, 500, True),
         ConvBench("cnn_28x28x1", "vgg9", 0.25, (28, 28, 1), 10, 64, 64, 1000, False),
     )
+    grouped_rounds = (
+        # Fed2's grouped VGG9 (G=10 over the last 6 weight layers; a small workload, as in
+        # the vgg section: its vmap round ran 36x slower than loop, 93 s at 2 x 128, B=64)
+        # and a grouped MLP bench.
+        GroupedRound("vgg9_grouped_28x28x1", "vgg9", (("width", 1.0),), 10, 6, (28, 28, 1),
+                     2, 16, 16, 1),
+        GroupedRound("mlp_grouped_28x28x1", "mlp", (), 10, 3, (28, 28, 1), 10, 256, 64, 2),
+    )
     return Settings(suite=suite, quick=False, reps=r, naive_reps=min(r, 2),
                     padding_reps=min(r, 2), scaling_reps=min(r, 2), conv=conv,
-                    scaling_per_round=scaling)
+                    scaling_per_round=scaling, grouped_rounds=grouped_rounds)
 
 
 # ----------------------------------------------------------------------------------------
@@ -706,13 +767,18 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
         with cfg.unlocked():
             cfg.algorithm, cfg.optimizer.warmup = name, "none"
             cfg.optimizer.lr = settings.learning_rate
-        algorithm = entry.build(w.model, cfg, client_tx, server_tx)
-        ex = make_executor(strategy, algorithm, w.work, w.data, w.variables, m_per)
+        model, variables = w.model, w.variables
+        if name == "fed2":  # needs a grouped network: the bench MLP, last 3 layers in 10 groups
+            model = w.model.clone(grouped=GroupedConfig(groups=10, depth=3))
+            variables = models.init(model, jax.random.PRNGKey(settings.seed),
+                                    tuple(w.data.images.shape[1:]))
+        algorithm = entry.build(model, cfg, client_tx, server_tx)
+        ex = make_executor(strategy, algorithm, w.work, w.data, variables, m_per)
         sim = Simulation(algorithm, w.data, w.work, ex, m_per / w.data.num_clients,
                          seed=settings.seed)
-        m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s)
+        m = time_engine(sim, variables, None, settings.warmup, reps, settings.slow_round_s)
         rec = summarize(m, w.flops_per_example, ceiling)
-        state = sim.init(w.variables)
+        state = sim.init(variables)
         rec = {"seconds_per_round": rec["seconds_per_round"], "reps": rec["reps"],
                "compiles_timed": rec["compiles_timed"],
                "client_state_mib": _tree_bytes(state.client_states) / 2**20,
@@ -737,9 +803,184 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
             "median_aggregation": median}
 
 
+def _time_interleaved(calls: Dict[str, Tuple[Callable, tuple]], reps: int,
+                      budget_s: float) -> Dict[str, Tuple[float, int]]:
+    """name -> (median seconds, calls timed) of `fn(*args)` for every `calls[name]`, each
+    called once untimed first (compilation), then timed round-robin (so a drift in the
+    machine's speed hits all alike) until it has `reps` calls or has spent `budget_s`."""
+    for fn, args in calls.values():
+        jax.block_until_ready(fn(*args))
+    times: Dict[str, List[float]] = {name: [] for name in calls}
+    while True:
+        todo = [n for n, t in times.items() if len(t) < reps and (not t or sum(t) < budget_s)]
+        if not todo:
+            break
+        for name in todo:
+            fn, args = calls[name]
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {n: (float(statistics.median(t)), len(t)) for n, t in times.items()}
+
+
+def _impl_summary(records: Dict[str, Dict[str, Any]], picks: str) -> Dict[str, Any]:
+    """What 'auto' resolves to, the fastest and slowest implementation, and the ratios."""
+    t = {k: v["seconds"] for k, v in records.items()}
+    best, slowest = min(t, key=t.get), max(t, key=t.get)
+    return {"picks": picks, "best": best, "slowest": slowest,
+            "ratio_to_best": t[picks] / t[best], "slowest_over_auto": t[slowest] / t[picks]}
+
+
+def _rate(seconds: float, reps: int, flops: float, ceiling: float) -> Dict[str, Any]:
+    gflops = flops / seconds / 1e9
+    return {"seconds": seconds, "gflops": gflops, "fraction_of_ceiling": gflops / ceiling,
+            "reps": reps}
+
+
+def grouped_layer_rows(layer: GroupedLayer, reps: int, budget_s: float, ceiling: float,
+                       seed: int = 0) -> Dict[str, Any]:
+    """Forward + backward (input and kernel gradients) of one grouped conv per
+    implementation, and of the dense (G=1) conv of the same width."""
+    rng = np.random.default_rng(seed)
+    b, n, c, g, k = layer.batch, layer.size, layer.channels, layer.groups, layer.kernel
+    x = jnp.asarray(rng.normal(size=(b, n, n, c)), jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(b, n, n, c)), jnp.float32)
+    # 2 FLOPs per multiply-add; backward = input grads + kernel grads, each the forward's.
+    flops = lambda groups: 3 * 2 * b * n * n * k * k * (c // groups) * c  # noqa: E731
+
+    def fwd_bwd(groups: int, impl: str) -> Callable:
+        def loss(w, x):  # a random cotangent: the backward pass does real work
+            return jnp.vdot(cot, grouped_lib.grouped_conv(x, w, groups, 1, impl))
+        return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+    grouped_w = jnp.asarray(rng.normal(scale=0.05, size=(k, k, c // g, c)), jnp.float32)
+    dense_w = jnp.asarray(rng.normal(scale=0.05, size=(k, k, c, c)), jnp.float32)
+    calls = {impl: (fwd_bwd(g, impl), (grouped_w, x)) for impl in CONCRETE_IMPLS}
+    calls["dense"] = (fwd_bwd(1, "feature_group_count"), (dense_w, x))
+    timed = _time_interleaved(calls, reps, budget_s)
+    impls = {impl: _rate(*timed[impl], flops=flops(g), ceiling=ceiling)
+             for impl in CONCRETE_IMPLS}
+    return {"key": layer.key, **dataclasses.asdict(layer), "flops": flops(g),
+            "impls": impls, "dense": _rate(*timed["dense"], flops=flops(1), ceiling=ceiling),
+            "auto": _impl_summary(impls, grouped_lib.pick_conv_impl(g, c))}
+
+
+def grouped_step_rows(settings: Settings, ceiling: float) -> Dict[str, Any]:
+    """One local SGD step (`local.sgd_step`, momentum SGD) of Fed2's grouped VGG9 per conv
+    implementation, all from the same variables and batch."""
+    width, shape, batch = settings.grouped_step
+    g = settings.grouped_groups
+    build = lambda impl: models.build("vgg9", 10, width=width, grouped={  # noqa: E731
+        "groups": g, "depth": 6, "conv_impl": impl})
+    variables = numpy_variables(build("feature_group_count"), shape, settings.seed)
+    # XLA counts a feature_group_count conv's real FLOPs (split's agree; block_diagonal's
+    # would count its zeros).
+    flops = 3.0 * batch * forward_flops(build("feature_group_count"), variables, shape)
+    rng = np.random.default_rng(settings.seed)
+    data = {"x": jnp.asarray(rng.normal(size=(batch, *shape)), jnp.float32),
+            "y": jnp.asarray(rng.integers(0, 10, batch), jnp.int32),
+            "mask": jnp.ones(batch, jnp.float32)}
+    tx = client_optimizer(settings.learning_rate, settings.momentum, 0.0, None)
+    state = jax.jit(lambda v: local.init_local(tx, v, 1.0))(variables)
+    calls = {impl: (jax.jit(lambda s, b, m=build(impl): local.sgd_step(m, tx, s, b)[0]),
+                    (state, data)) for impl in CONCRETE_IMPLS}
+    timed = _time_interleaved(calls, settings.grouped_reps, settings.grouped_budget_s)
+    impls = {impl: _rate(*timed[impl], flops=flops, ceiling=ceiling)
+             for impl in CONCRETE_IMPLS}
+    # The convs 'auto' would run in this model: its grouped (G-group) convs' choice.
+    picks = {grouped_lib.pick_conv_impl(g, c)
+             for c in grouped_conv_inputs(build("auto"), variables)}
+    if len(picks) != 1:
+        raise AssertionError(f"auto mixes implementations in this model: {picks}")
+    return {"model": "vgg9", "width": width, "input_shape": list(shape), "batch_size": batch,
+            "groups": g, "depth": 6, "params": models.count_params(variables),
+            "flops": flops, "impls": impls, "auto": _impl_summary(impls, picks.pop())}
+
+
+def numpy_variables(model: Any, input_shape: Tuple[int, ...], seed: int) -> PyTree:
+    """He-normal weights (fan-in: all but the last axis), unit norm scales, zero biases,
+    drawn with numpy: the model's own init compiles a PRNG program per leaf (~20 s for a
+    VGG9 on a busy 2-core machine), and a timing needs sane values, not those."""
+    shapes = jax.eval_shape(lambda: models.init(model, jax.random.PRNGKey(0), input_shape))
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, s):
+        name = path[-1].key
+        if name == "scale":
+            return np.ones(s.shape, s.dtype)
+        if len(s.shape) < 2:
+            return np.zeros(s.shape, s.dtype)
+        std = math.sqrt(2.0 / math.prod(s.shape[:-1]))
+        return rng.normal(scale=std, size=s.shape).astype(s.dtype)
+    # Host arrays, one transfer: eager jnp constructors would compile once per shape.
+    return jax.device_put(jax.tree_util.tree_map_with_path(leaf, shapes))
+
+
+def grouped_conv_inputs(model: Any, variables: PyTree) -> List[int]:
+    """Input channels of every G-group conv of a grouped model (the grouped convs after
+    the first grouped layer, which reads shared features and is dense)."""
+    layout = model.group_layout()
+    first = next(iter(layout), None)
+    g = int(model.grouped.groups)
+    return [g * variables["params"][name]["kernel"].shape[2] for name in layout
+            if name.startswith("conv") and name != first]
+
+
+def grouped_round_rows(bench: GroupedRound, settings: Settings, ceiling: float,
+                       log: Log) -> Dict[str, Any]:
+    """A grouped model's FedAvg round (training only) per concrete strategy, with the
+    default `conv_impl`; what `resolve_strategy('auto', ...)` picks and how it fares."""
+    n = bench.clients_per_round * bench.examples
+    ds = data_lib.synthetic(n, 64, image_shape=bench.input_shape, seed=settings.seed)
+    model = models.build(bench.model, 10, grouped={"groups": bench.groups,
+                                                   "depth": bench.depth},
+                         **dict(bench.options))
+    w = make_workload(bench.key, model, bench.input_shape, ds.train_images, ds.train_labels,
+                      equal_parts(bench.clients_per_round, bench.examples, settings.seed),
+                      ds.test_images, ds.test_labels, bench.batch_size, bench.epochs,
+                      settings)
+    configs = {}
+    for strategy in strategies():
+        sim = w.simulation(w.executor(strategy, bench.clients_per_round, settings),
+                           bench.clients_per_round, settings.seed)
+        m = time_engine(sim, w.variables, None, settings.warmup, settings.reps,
+                        settings.slow_round_s)
+        configs[strategy] = summarize(m, w.flops_per_example, ceiling)
+        log(f"[grouped_conv] {bench.key} {strategy}: "
+            f"{configs[strategy]['seconds_per_round']:.3f} s/round")
+    convs = grouped_conv_inputs(model, w.variables) if bench.model != "mlp" else []
+    return {"model": bench.model, "groups": bench.groups, "depth": bench.depth,
+            "conv_impls": sorted({grouped_lib.pick_conv_impl(bench.groups, c)
+                                  for c in convs}),
+            "workload": w.describe(bench.clients_per_round), "strategies": configs,
+            "auto": auto_summary(configs, w.variables)}
+
+
+def grouped_conv_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+    """Grouped convs per implementation (`grouped_lib.CONV_IMPLS`): layer shapes (forward +
+    backward, with the dense conv of the same width), one local step of Fed2's grouped
+    VGG9, and grouped models' rounds per execution strategy."""
+    layers = []
+    for layer in settings.grouped_layers:
+        rec = grouped_layer_rows(layer, settings.grouped_reps, settings.grouped_budget_s,
+                                 ceiling, settings.seed)
+        layers.append(rec)
+        log(f"[grouped_conv] {layer.key}: " + ", ".join(
+            f"{k} {1e3 * v['seconds']:.1f} ms" for k, v in rec["impls"].items())
+            + f"; dense {1e3 * rec['dense']['seconds']:.1f} ms; auto {rec['auto']['picks']}")
+    step = grouped_step_rows(settings, ceiling)
+    log("[grouped_conv] grouped VGG9 step: " + ", ".join(
+        f"{k} {1e3 * v['seconds']:.1f} ms" for k, v in step["impls"].items())
+        + f"; auto {step['auto']['picks']}")
+    rounds = {b.key: grouped_round_rows(b, settings, ceiling, log)
+              for b in settings.grouped_rounds}
+    return {"backend": jax.default_backend(), "layers": layers, "vgg_step": step,
+            "rounds": rounds}
+
+
 SECTION_FUNCTIONS = {"mlp": mlp_section, "padding": padding_section, "vgg": conv_section,
                      "scaling": scaling_section, "profile": profile_section,
-                     "algorithms": algorithms_section}
+                     "algorithms": algorithms_section, "grouped_conv": grouped_conv_section}
 
 
 def run_suite(settings: Settings, only: Sequence[str] = SECTIONS,

@@ -5,6 +5,7 @@ tests check that every section is measured with sane numbers and that the naive 
 computes the same FedAvg round as the engine, so the suite's ratios compare like with like.
 """
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -18,6 +19,7 @@ from conftest import ROOT
 from fedjax_pan import models
 from fedjax_pan.algorithms import client_optimizer, fedavg
 from fedjax_pan.engine import ClientData, LocalWork, Simulation, make_executor
+from fedjax_pan.models import grouped as grouped_lib
 
 if ROOT not in sys.path:  # benchmarks/ is a top-level folder, not an installed package
     sys.path.insert(0, ROOT)
@@ -68,7 +70,8 @@ def _engine_configs(results):
 def test_every_section_is_present(quick):
     _, results, _ = quick
     for section in ("meta", "settings", "matmul", "mlp", "padding", "vgg", "scaling",
-                    "profile", "algorithms", "compiles", "memory", "targets", "total_seconds"):
+                    "profile", "algorithms", "grouped_conv", "compiles", "memory", "targets",
+                    "total_seconds"):
         assert section in results, section
     from fedjax_pan.algorithms import ALGORITHMS
     algos = results["algorithms"]["algorithms"]
@@ -141,11 +144,11 @@ def test_suite_records_engine_naive_agreement(quick):
 def test_targets_and_reports_are_written(quick):
     out, results, stdout = quick
     names = [t["name"] for t in results["targets"]]
-    assert len(names) == 9 and all(t["status"] in ("PASS", "MISS") for t in results["targets"])
+    assert len(names) == 11 and all(t["status"] in ("PASS", "MISS") for t in results["targets"])
     markdown = (out / "RESULTS.md").read_text()
     for needle in ["# Benchmark results", "## Targets", "## MLP bench", "## Scaling",
                    "## What stands between the MLP step and the matmul ceiling",
-                   "## Algorithms on the MLP bench",
+                   "## Algorithms on the MLP bench", "## Execution strategy for grouped models",
                    "- commit:", "- machine:", "jax " + results["meta"]["jax"]]:
         assert needle in markdown, needle
     assert all(name in markdown and name in stdout for name in names)
@@ -217,3 +220,39 @@ def test_unbucketed_executor_keeps_cohort_order():
     # Sorting pairs the long clients: fewer computed steps than the cohort order.
     sizes = data.sizes[:5]
     assert bucketed.computed_examples(sizes, steps) < unbucketed.computed_examples(sizes, steps)
+
+
+def test_grouped_conv_section_quick():
+    """The grouped_conv section in process at quick sizes (one grouped round, the MLP's:
+    the quick suite run covers the grouped VGG9's), its targets and tables."""
+    from benchmarks import report
+    settings = suites.make_settings("cpu", quick=True)
+    settings = dataclasses.replace(settings, grouped_rounds=tuple(
+        b for b in settings.grouped_rounds if b.model == "mlp"))
+    results = suites.run_suite(settings, ["grouped_conv"], log=lambda s: None)
+    r = results["grouped_conv"]
+    impls = {"feature_group_count", "split", "block_diagonal"}
+    (layer,) = r["layers"]
+    assert set(layer["impls"]) == impls and layer["dense"]["gflops"] > 0
+    # FLOPs of the grouped conv itself: the dense reference does G times more work.
+    b, n, c, g, k = (layer[key] for key in ("batch", "size", "channels", "groups", "kernel"))
+    assert layer["flops"] == 6 * b * n * n * k * k * c * c // g
+    assert layer["auto"]["picks"] == grouped_lib.pick_conv_impl(g, c)
+    for rec in [layer, r["vgg_step"]]:
+        auto = rec["auto"]
+        assert {auto["picks"], auto["best"], auto["slowest"]} <= impls
+        assert auto["ratio_to_best"] >= 1.0 and auto["slowest_over_auto"] > 0
+        assert all(v["seconds"] > 0 and v["reps"] >= 1 for v in rec["impls"].values())
+    (rnd,) = r["rounds"].values()
+    assert set(rnd["strategies"]) >= {"loop", "vmap"} and rnd["auto"]["picks"] == "vmap"
+    assert all(v["compiles_timed"] == 0 for v in rnd["strategies"].values())
+    results["targets"] = report.evaluate_targets(results)
+    status = {t["name"]: t["status"] for t in results["targets"]}
+    assert [v for k, v in status.items() if "grouped" in k] != ["n/a", "n/a"]
+    assert sum(v == "n/a" for v in status.values()) == len(status) - 2
+    markdown = report.format_markdown(results)
+    for needle in ["## Grouped conv layers, forward + backward (cpu)",
+                   "## Grouped VGG9 local step per conv implementation",
+                   "## Execution strategy for grouped models", "split (auto)",
+                   "dense reference"]:
+        assert needle in markdown, needle

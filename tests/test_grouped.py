@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from fedjax_pan import models
+from fedjax_pan.models import grouped as grouped_lib
 from fedjax_pan.models.grouped import GroupedConfig, as_grouped
 
 
@@ -120,3 +121,91 @@ def test_grouped_mlp_forward_by_hand():
         logits[:, c] = h2[:, 2 * g:2 * g + 2] @ p["head"]["kernel"][g, :, c] + p["head"]["bias"][c]
     got = model.apply({"params": jax.tree_util.tree_map(jnp.asarray, p)}, x.astype(np.float32))
     np.testing.assert_allclose(np.asarray(got), logits, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------
+# Grouped conv implementations: one parameter layout, the same numbers and gradients.
+# ----------------------------------------------------------------------------------------
+
+def _random_like(tree, seed: int):
+    """numpy normals shaped like a tree of shapes (no PRNG programs to compile)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree_util.tree_map(
+        lambda s: jnp.asarray(rng.normal(scale=0.3, size=s.shape), jnp.float32), tree)
+
+
+@pytest.mark.parametrize("groups,kernel,stride", [(g, k, s) for g in (2, 4) for k in (3, 1)
+                                                  for s in (1, 2)])
+def test_conv_impls_agree_on_outputs_and_gradients(groups, kernel, stride):
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 6, 6, 3 * groups)), jnp.float32)
+    convs = {impl: grouped_lib.GroupedConv(2 * groups, groups, kernel, stride, impl)
+             for impl in grouped_lib.CONV_IMPLS}
+    shapes = jax.eval_shape(convs["feature_group_count"].init, jax.random.PRNGKey(1), x)
+    for c in convs.values():  # one parameter layout, whatever computes the conv
+        assert jax.eval_shape(c.init, jax.random.PRNGKey(1), x) == shapes
+    assert shapes["params"]["kernel"].shape == (kernel, kernel, 3, 2 * groups)
+    # A non-zero bias and a random cotangent, so every output channel's gradient counts.
+    variables = _random_like(shapes, 1)
+    cot = jnp.asarray(rng.normal(size=(3, 6 // stride, 6 // stride, 2 * groups)), jnp.float32)
+
+    @jax.jit
+    def run_all(variables, x, cot):  # one compilation for every implementation
+        out = {}
+        for impl, conv in convs.items():
+            y, vjp = jax.vjp(conv.apply, variables, x)
+            out[impl] = (y, vjp(cot))
+        return out
+    results = run_all(variables, x, cot)
+    want_y, (want_v, want_x) = results["feature_group_count"]
+    for impl, (y, (dv, dx)) in results.items():
+        np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(dx, want_x, rtol=1e-5, atol=1e-5, err_msg=impl)
+        for name in ("kernel", "bias"):
+            np.testing.assert_allclose(dv["params"][name], want_v["params"][name], rtol=1e-5,
+                                       atol=1e-5, err_msg=f"{impl} {name}")
+
+
+def test_block_diagonal_kernel_is_zero_off_the_blocks_and_passes_no_gradient_there():
+    kernel = jnp.asarray(np.random.default_rng(0).normal(size=(3, 3, 2, 6)), jnp.float32)
+    full, vjp = jax.vjp(lambda k: grouped_lib.block_diagonal_kernel(k, 3), kernel)  # G=3
+    assert full.shape == (3, 3, 6, 6)
+    full, kernel = np.asarray(full), np.asarray(kernel)
+    for gi in range(3):
+        for go in range(3):
+            block = full[:, :, 2 * gi:2 * gi + 2, 2 * go:2 * go + 2]
+            want = kernel[..., 2 * go:2 * go + 2] if gi == go else 0.0
+            np.testing.assert_array_equal(block, np.broadcast_to(want, block.shape))
+    # Each kernel entry sits in exactly one diagonal block: a cotangent of ones gives ones,
+    # and one that is non-zero only off the blocks gives zeros.
+    np.testing.assert_array_equal(vjp(jnp.ones(full.shape))[0], np.ones(kernel.shape))
+    off = 1.0 - np.kron(np.eye(3), np.ones((2, 2)))
+    np.testing.assert_array_equal(vjp(jnp.broadcast_to(off, full.shape))[0], 0.0)
+
+
+def test_auto_picks_per_backend_and_shape():
+    pick = grouped_lib.pick_conv_impl
+    assert pick(10, 260, "cpu") == pick(2, 260, "cpu") == pick(16, 64, "cpu") == "split"
+    # Few channels per group (depthwise included), or very many groups.
+    assert pick(32, 64, "cpu") == pick(256, 256, "cpu") == "block_diagonal"
+    assert pick(128, 1024, "cpu") == "block_diagonal"
+    assert pick(1, 260, "cpu") == pick(10, 260, "gpu") == "feature_group_count"
+    assert GroupedConfig().conv_impl == "auto"
+    with pytest.raises(ValueError, match="unknown grouped conv_impl"):
+        GroupedConfig(conv_impl="im2col")
+
+
+def test_grouped_vgg9_logits_do_not_depend_on_conv_impl():
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, 8, 1)), jnp.float32)
+    build = lambda impl: models.build("vgg9", 6, width=0.125, grouped={  # noqa: E731
+        "groups": 2, "depth": 5, "conv_impl": impl})
+    variables = _random_like(jax.eval_shape(build("feature_group_count").init,
+                                            jax.random.PRNGKey(1), x), 1)
+    # conv6 is a 2-group conv of 32 channels (16 in per group).
+    assert variables["params"]["conv6"]["kernel"].shape == (3, 3, 16, 32)
+    logits = jax.jit(lambda v: {impl: build(impl).apply(v, x)  # one compilation for all
+                                for impl in grouped_lib.CONV_IMPLS})(variables)
+    assert np.abs(logits["feature_group_count"]).max() > 1e-2  # not vacuous
+    for impl, got in logits.items():
+        np.testing.assert_allclose(got, logits["feature_group_count"], rtol=1e-5, atol=1e-5,
+                                   err_msg=impl)
