@@ -5,7 +5,7 @@ tests check that every section is measured with sane numbers and that the naive 
 computes the same FedAvg round as the engine, so the suite's ratios compare like with like.
 """
 
-import dataclasses
+import os
 import json
 import math
 import subprocess
@@ -222,14 +222,9 @@ def test_unbucketed_executor_keeps_cohort_order():
     assert bucketed.computed_examples(sizes, steps) < unbucketed.computed_examples(sizes, steps)
 
 
-def test_grouped_conv_section_quick():
-    """The grouped_conv section in process at quick sizes (one grouped round, the MLP's:
-    the quick suite run covers the grouped VGG9's), its targets and tables."""
-    from benchmarks import report
-    settings = suites.make_settings("cpu", quick=True)
-    settings = dataclasses.replace(settings, grouped_rounds=tuple(
-        b for b in settings.grouped_rounds if b.model == "mlp"))
-    results = suites.run_suite(settings, ["grouped_conv"], log=lambda s: None)
+def test_grouped_conv_section(quick):
+    """The grouped_conv section of the quick run: FLOPs, auto's pick, tables and targets."""
+    out, results, _ = quick
     r = results["grouped_conv"]
     impls = {"feature_group_count", "split", "block_diagonal"}
     (layer,) = r["layers"]
@@ -243,14 +238,17 @@ def test_grouped_conv_section_quick():
         assert {auto["picks"], auto["best"], auto["slowest"]} <= impls
         assert auto["ratio_to_best"] >= 1.0 and auto["slowest_over_auto"] > 0
         assert all(v["seconds"] > 0 and v["reps"] >= 1 for v in rec["impls"].values())
-    (rnd,) = r["rounds"].values()
-    assert set(rnd["strategies"]) >= {"loop", "vmap"} and rnd["auto"]["picks"] == "vmap"
-    assert all(v["compiles_timed"] == 0 for v in rnd["strategies"].values())
-    results["targets"] = report.evaluate_targets(results)
+    picks = {}
+    for name, rnd in r["rounds"].items():
+        assert set(rnd["strategies"]) >= {"loop", "vmap"}
+        assert all(v["compiles_timed"] == 0 for v in rnd["strategies"].values())
+        picks[name] = rnd["auto"]["picks"]
+    # On CPU, auto runs grouped convnets client by client and dense models vmapped.
+    assert sorted(picks.values()) == ["loop", "vmap"], picks
     status = {t["name"]: t["status"] for t in results["targets"]}
-    assert [v for k, v in status.items() if "grouped" in k] != ["n/a", "n/a"]
-    assert sum(v == "n/a" for v in status.values()) == len(status) - 2
-    markdown = report.format_markdown(results)
+    assert [v for k, v in status.items() if "grouped" in k] not in ([], ["n/a", "n/a"])
+    with open(os.path.join(out, "RESULTS.md")) as f:
+        markdown = f.read()
     for needle in ["## Grouped conv layers, forward + backward (cpu)",
                    "## Grouped VGG9 local step per conv implementation",
                    "## Execution strategy for grouped models", "split (auto)",

@@ -304,13 +304,3 @@ def group_owners(params_tree: Mapping[str, Any], kinds: LayerKinds, groups: int,
             n = shape[-1]
             out[keys] = (len(shape) - 1, np.repeat(np.arange(groups), n // groups))
     return out
-
-
-def group_mask(owners: Owners, leaf_path: Path, shape: Tuple[int, ...],
-               keep: jnp.ndarray) -> Optional[jnp.ndarray]:
-    """keep (G,) -> a 0/1 array broadcastable to the leaf: 1 where the owning group is kept."""
-    if leaf_path not in owners:
-        return None
-    axis, owner = owners[leaf_path]
-    m = keep[jnp.asarray(owner)]
-    return m.reshape((-1,) + (1,) * (len(shape) - axis - 1))
