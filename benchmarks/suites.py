@@ -39,7 +39,7 @@ from benchmarks.naive import NaiveFedAvg, engine_orders, max_rel_diff
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
 from fedjax_pan.models.grouped import GroupedConfig
-from fedjax_pan.algorithms import client_optimizer, fedavg, local
+from fedjax_pan.algorithms import client_optimizer, fedavg, local, tree_bytes
 from fedjax_pan.engine import (ClientData, LocalWork, Simulation, count_compiles,
                                make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.clients import real_examples
@@ -743,10 +743,6 @@ def profile_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
     return {"batch_size": settings.batch_size, "rows": rows}
 
 
-def _tree_bytes(tree: PyTree) -> int:
-    return int(sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(tree)))
-
-
 def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
     """The MLP bench round (training and aggregation, no evaluation) per registered
     algorithm with its default options, relative to FedAvg; the memory each keeps per
@@ -781,8 +777,8 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
         state = sim.init(variables)
         rec = {"seconds_per_round": rec["seconds_per_round"], "reps": rec["reps"],
                "compiles_timed": rec["compiles_timed"],
-               "client_state_mib": _tree_bytes(state.client_states) / 2**20,
-               "server_state_mib": _tree_bytes(state.server) / 2**20}
+               "client_state_mib": tree_bytes(state.client_states) / 2**20,
+               "server_state_mib": tree_bytes(state.server) / 2**20}
         out[name] = rec
         log(f"[algorithms] {name}: {rec['seconds_per_round']:.3f} s/round, client state "
             f"{rec['client_state_mib']:.1f} MiB")
@@ -795,7 +791,7 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
                      seed=settings.seed)
     m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s)
     median = {"seconds_per_round": summarize(m, w.flops_per_example, ceiling)[
-        "seconds_per_round"], "stacked_outputs_mib": m_per * _tree_bytes(w.variables) / 2**20}
+        "seconds_per_round"], "stacked_outputs_mib": m_per * tree_bytes(w.variables) / 2**20}
     median["vs_fedavg"] = median["seconds_per_round"] / out["fedavg"]["seconds_per_round"]
     log(f"[algorithms] fedavg + median: {median['seconds_per_round']:.3f} s/round, "
         f"{median['stacked_outputs_mib']:.1f} MiB of stacked outputs")

@@ -141,3 +141,10 @@ def test_stacked_rules_give_the_same_numbers_under_every_strategy():
     for name, server in servers.items():
         assert max_rel_err(server, state.server) < 1e-5, name
     assert max_rel_err(state.server.params, variables["params"]) > 1e-2
+
+
+def test_tree_bytes_counts_every_leaf_at_its_dtype_width():
+    tree = {"w": np.zeros((3, 4), np.float32), "b": jnp.zeros((5,), jnp.bfloat16),
+            "n": [np.zeros((), np.int64), jax.ShapeDtypeStruct((2, 2), jnp.float16)], "x": None}
+    assert core.tree_bytes(tree) == 3 * 4 * 4 + 5 * 2 + 8 + 4 * 2
+    assert core.tree_bytes({}) == 0

@@ -184,7 +184,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_strategy_on_four_cpu_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
+               " --xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")
     script = SHARDED_SCRIPT.format(tests=os.path.join(ROOT, "tests"))
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,

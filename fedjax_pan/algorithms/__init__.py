@@ -1,8 +1,8 @@
 """Federated algorithms, each a `FederatedAlgorithm` of small pure functions."""
 
 from fedjax_pan.algorithms.core import (Aggregator, ClientContext, FederatedAlgorithm, RoundInfo,
-                                        median, no_client_state, trimmed_mean, weighted_mean,
-                                        weighted_sum)
+                                        median, no_client_state, tree_bytes, trimmed_mean,
+                                        weighted_mean, weighted_sum)
 from fedjax_pan.algorithms.fed2 import fed2
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.fedprox import fedprox

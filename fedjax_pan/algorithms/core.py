@@ -29,6 +29,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -121,6 +122,12 @@ class FederatedAlgorithm(NamedTuple):
     # upload_bytes(output, local_state) -> bytes this client sends (None: its whole output;
     # e.g. Psi-Net's trimmed groups are not sent).
     upload_bytes: Optional[Callable[[PyTree, PyTree], Any]] = None
+
+
+def tree_bytes(tree: PyTree) -> int:
+    """Bytes of a pytree's leaves (arrays or shape-dtype structs): what sending it costs."""
+    return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
+                   for x in jax.tree_util.tree_leaves(tree)))
 
 
 class AlgorithmEntry(NamedTuple):

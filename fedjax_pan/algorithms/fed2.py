@@ -26,7 +26,8 @@ import optax
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, Aggregator, FederatedAlgorithm
+from fedjax_pan.algorithms.core import (AlgorithmEntry, Aggregator, FederatedAlgorithm,
+                                        tree_bytes)
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.rules import Rule, boolean, one_of
 
@@ -123,8 +124,7 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
             return jnp.sum(sent[jnp.asarray(owners[path][1])]) * size
         sizes = _map_grouped(nbytes, lambda leaf: np.dtype(leaf.dtype).itemsize * leaf.size,
                              owners, output["delta"])
-        rest = sum(np.dtype(x.dtype).itemsize * x.size for x in
-                   jax.tree_util.tree_leaves((output["group_weight"], output["model_state"])))
+        rest = tree_bytes((output["group_weight"], output["model_state"]))
         return sum(jax.tree_util.tree_leaves(sizes)) + rest
 
     def finalize(output_sum, total_weight):

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm
+from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm, tree_bytes
 from fedjax_pan.engine.clients import (ClientData, LocalWork, computed_alone, make_batch,
                                        step_rows, tail_rows)
 
@@ -150,8 +150,7 @@ class ClientProgram:
         """Bytes the client sends: the algorithm's count, else its whole output's."""
         if self.algorithm.upload_bytes is not None:
             return jnp.asarray(self.algorithm.upload_bytes(output, local), jnp.float32)
-        return jnp.float32(sum(np.dtype(x.dtype).itemsize * np.size(x)
-                               for x in jax.tree_util.tree_leaves(output)))
+        return jnp.float32(tree_bytes(output))
 
     def total_zeros(self, server, client_state, ctx) -> Dict[str, jax.Array]:
         """Zeros shaped like a client's metric sums as `finish` returns them."""
