@@ -18,10 +18,10 @@ from test_scaffold import SIZES, WORK, _distances, check_strategies_against_refe
 tree_map = jax.tree_util.tree_map
 
 
-def _tiny_feddyn(alpha):
+def _tiny_feddyn(alpha, log_term=False):
     model, variables, base = tiny_fedavg()  # lr 0.05, momentum 0.9, 'steps' warm-up 3
     algo = feddyn(model, client_optimizer(0.05, 0.9, 1e-5, 100.0), alpha=alpha,
-                  warmup="steps", warmup_length=3)
+                  log_term=log_term, warmup="steps", warmup_length=3)
     return variables, base, algo
 
 
@@ -32,7 +32,7 @@ def _mean_delta(sim, state):
 
 def test_tiny_alpha_gives_fedavgs_local_models_but_not_its_server_step():
     _, cd = tiny_clients(SIZES)
-    variables, base, algo = _tiny_feddyn(1e-6)
+    variables, base, algo = _tiny_feddyn(1e-6, log_term=True)
     sims = {name: Simulation(a, cd, WORK, make_executor("loop", a, WORK, cd, variables, 3),
                              participation=0.5, seed=11)
             for name, a in (("fedavg", base), ("feddyn", algo))}
@@ -69,6 +69,53 @@ def test_reaches_the_optimum_of_heterogeneous_quadratics_where_fedavg_is_biased(
     dyn = _distances(feddyn(q.model, tx, alpha=1.0, loss=squared_loss), q, work, 80)
     assert avg[-1] > 0.1 and abs(avg[-1] - avg[-2]) < 1e-5  # settled, 0.17 from the optimum
     assert dyn[-1] < 1e-5  # measured ~3e-7
+
+
+def test_a_step_is_a_step_on_the_whole_objective():
+    """The closed-form gradient of the dynamic term against autodiff of
+    L_k(theta) - <g_k, theta> + alpha/2 ||theta - theta_s||^2, and the logged term's value."""
+    from fedjax_pan.algorithms import local as local_lib
+    from fedjax_pan.algorithms.feddyn import FedDynLocal
+    from fedjax_pan.algorithms.core import ClientContext
+
+    alpha = 0.3
+    model, variables, _ = tiny_fedavg()
+    tx = client_optimizer(0.05, 0.9)
+    rng = np.random.default_rng(0)
+    noise = lambda x: x + 0.1 * rng.normal(size=x.shape).astype(x.dtype)  # noqa: E731
+    algo = feddyn(model, tx, alpha=alpha, log_term=True)
+    server = algo.server_init(variables)
+    ctx = ClientContext(jax.random.PRNGKey(0), 5, 8, 0, 0, np.ones(10, np.float32))
+    local = algo.client_init(server, algo.client_state_init(server), ctx)
+    # A client away from the broadcast, with a non-zero g_k.
+    local = FedDynLocal(local.train._replace(params=tree_map(noise, local.train.params)),
+                        tree_map(lambda p: 0.2 * rng.normal(size=p.shape).astype(p.dtype),
+                                 local.train.params))
+    x = rng.normal(size=(8, 6, 6, 1)).astype(np.float32)
+    batch = {"x": x, "y": rng.integers(0, 10, 8).astype(np.int32),
+             "mask": np.array([1] * 6 + [0] * 2, np.float32)}
+    new, metrics = algo.client_step(local, batch, server)
+
+    theta, g = server.base.params, local.grad
+
+    def term(p):
+        return sum(0.5 * alpha * np.sum((a - b) ** 2) - np.sum(c * a) for a, b, c in zip(
+            *(jax.tree_util.tree_leaves(t) for t in (p, theta, g))))
+
+    def objective(p):
+        dyn = sum(0.5 * alpha * jax.numpy.sum((a - b) ** 2) - jax.numpy.sum(c * a)
+                  for a, b, c in zip(*(jax.tree_util.tree_leaves(t) for t in (p, theta, g))))
+        logits, _ = local_lib.forward(model, p, local.train.model_state, batch, train=True)
+        return local_lib.masked_cross_entropy(logits, batch["y"], batch["mask"]) / 6 + dyn
+    grads = jax.grad(objective)(local.train.params)
+    updates, _ = tx.update(grads, local.train.opt_state, local.train.params)
+    want = tree_map(lambda p, u: p + u, local.train.params, updates)
+    assert max_rel_err(new.train.params, want) < 1e-5
+    np.testing.assert_allclose(metrics["dyn_sum"], 6 * term(local.train.params), rtol=1e-4)
+    # Without logging: the same step, and no term in the metrics.
+    quiet, quiet_metrics = feddyn(model, tx, alpha=alpha).client_step(local, batch, server)
+    assert "dyn_sum" not in quiet_metrics
+    assert max_rel_err(quiet.train.params, new.train.params) == 0.0
 
 
 def test_strategies_match_the_sequential_reference():
