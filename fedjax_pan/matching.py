@@ -160,21 +160,29 @@ def activation_matching(model: Any, spec: PermutationSpec, reference: PyTree, ot
     return perms
 
 
-def align(model: Any, reference_variables: PyTree, other_variables: PyTree, *,
+def match(model: Any, reference_variables: PyTree, other_variables: PyTree, *,
           by: str = "weights", inputs: Any = None, spec: Optional[PermutationSpec] = None
-          ) -> PyTree:
-    """`other_variables` with its hidden neurons permuted into `reference_variables`' order
-    (the same function of its inputs); see the module docstring for `by`."""
+          ) -> Dict[str, np.ndarray]:
+    """The permutations (one per hidden layer, `permutation.apply_permutation`'s convention)
+    taking `other_variables` into `reference_variables`' neuron order."""
     if by not in BY:
         raise ValueError(f"by must be one of {', '.join(map(repr, BY))}, got {by!r}")
     spec = spec or perm_lib.spec_for(model, reference_variables)
     if by == "weights":
-        perms = weight_matching(spec, reference_variables, other_variables)
-    else:
-        if inputs is None:
-            raise ValueError("by='activations' needs `inputs`, a batch of model inputs")
-        perms = activation_matching(model, spec, reference_variables, other_variables, inputs)
+        return weight_matching(spec, reference_variables, other_variables)
+    if inputs is None:
+        raise ValueError("by='activations' needs `inputs`, a batch of model inputs")
+    return activation_matching(model, spec, reference_variables, other_variables, inputs)
+
+
+def align(model: Any, reference_variables: PyTree, other_variables: PyTree, *,
+          by: str = "weights", inputs: Any = None, spec: Optional[PermutationSpec] = None
+          ) -> PyTree:
+    """`other_variables` with its hidden neurons permuted into `reference_variables`' order
+    (the same function of its inputs when PANs are off); see the module docstring for `by`."""
+    spec = spec or perm_lib.spec_for(model, reference_variables)
+    perms = match(model, reference_variables, other_variables, by=by, inputs=inputs, spec=spec)
     return perm_lib.apply_permutation(spec, perms, other_variables)
 
 
-__all__ = ["align", "assignment", "weight_matching", "activation_matching", "BY"]
+__all__ = ["align", "match", "assignment", "weight_matching", "activation_matching", "BY"]

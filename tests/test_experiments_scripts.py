@@ -16,12 +16,12 @@ from conftest import ROOT
 if ROOT not in sys.path:  # `experiments` is a folder of the checkout, not an installed package
     sys.path.insert(0, ROOT)
 
-from experiments import (alignment, common, r_kept, sharing_depth,  # noqa: E402
+from experiments import (alignment, common, fusion, r_kept, sharing_depth,  # noqa: E402
                          shuffle_accuracy, shuffle_error, weight_divergence)
 
 SCRIPTS = {"r_kept": r_kept, "shuffle_error": shuffle_error,
            "shuffle_accuracy": shuffle_accuracy, "weight_divergence": weight_divergence,
-           "alignment": alignment, "sharing_depth": sharing_depth}
+           "alignment": alignment, "sharing_depth": sharing_depth, "fusion": fusion}
 
 
 def _finite(values):
@@ -149,6 +149,26 @@ def test_sharing_depth(runs):
     rows = common.read_csv(os.path.join(runs["sharing_depth"], "sharing_depth.csv"))
     assert [r["layer"] for r in rows] == list(tv)
     assert os.path.getsize(os.path.join(runs["sharing_depth"], "fig10_sharing_depth.png")) > 5000
+
+
+def test_fusion(runs):
+    s = fusion.PRESETS["smoke"]
+    rows = common.read_csv(os.path.join(runs["fusion"], "fusion.csv"))
+    assert len(rows) == len(s.networks) * len(fusion.METHODS) * len(s.seeds) * len(s.mus)
+    acc = {(r["method"], float(r["mu"])): float(r["accuracy"]) for r in rows}
+    assert _finite(acc.values())
+    # mu = 0 is model A whatever B' is; with PANs off the aligned B is B's function, so mu = 1
+    # agrees too; in between the curves differ (B' has other weights).
+    for a, b in (("Avg", "OT+Avg"), ("PANs+Avg", "PANs+OT+Avg")):
+        assert acc[(a, 0.0)] == acc[(b, 0.0)]
+    assert acc[("Avg", 1.0)] == acc[("OT+Avg", 1.0)]
+    assert acc[("Avg", 1.0)] > 0.5 and acc[("Avg", 0.0)] > 0.5  # both halves' models learned
+    out = _json(os.path.join(runs["fusion"], "fusion.json"))
+    summary = out["summary"]["MLP"]
+    assert out["mu_half"] == 0.5
+    assert summary["OT+Avg"]["accuracy_at_half_mean"] == acc[("OT+Avg", 0.5)]
+    assert 0.5 < summary["moved_plain"] <= 1.0  # independent inits: most neurons move
+    assert os.path.getsize(os.path.join(runs["fusion"], "fig31_fusion.png")) > 5000
 
 
 def test_refuses_non_empty_out(tmp_path):
