@@ -12,8 +12,14 @@ by one of two similarities:
 
 Each layer's matching is exact optimal transport between its neurons: with uniform marginals
 and equal widths the optimal plan is a permutation, found by the Hungarian algorithm
-(`scipy.optimize.linear_sum_assignment`). A layer whose GroupNorm groups constrain its
+(`scipy.optimize.linear_sum_assignment`). Under a permutation, the squared Euclidean ground
+cost ||a_j - b_i||^2 and the inner product a_j . b_i give the same plan (the norms sum to a
+constant), so the inner product is used. A layer whose GroupNorm groups constrain its
 permutation is matched group by group.
+
+`bbp_map` is the other kind of matching, FedMA's (PFNM, Yurochkin et al. 2019): J clients'
+neurons of one layer matched to a global layer that may grow, by MAP under a Beta-Bernoulli
+process prior.
 
 Weight matching first goes layer by layer, input to output, each layer compared only through
 leaves whose other permuted axes are already matched (its incoming weights: the choice of
@@ -26,7 +32,7 @@ b's activations do not depend on b's own permutations.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -185,4 +191,99 @@ def align(model: Any, reference_variables: PyTree, other_variables: PyTree, *,
     return perm_lib.apply_permutation(spec, perms, other_variables)
 
 
-__all__ = ["align", "match", "assignment", "weight_matching", "activation_matching", "BY"]
+class BBPMatch(NamedTuple):
+    """A matched layer: `weights` (L, D) the global neurons' posterior means, `assignments[j]`
+    (L_j,) the global neuron each of client j's neurons went to, `counts` (L,) how many
+    clients' neurons each global neuron holds."""
+
+    weights: np.ndarray
+    assignments: List[np.ndarray]
+    counts: np.ndarray
+
+
+def _bbp_cost(w_j: np.ndarray, glob: np.ndarray, glob_prec: np.ndarray, counts: np.ndarray,
+              prec_j: np.ndarray, prior_mean_prec: np.ndarray, prior_prec: np.ndarray,
+              gamma: float, num_clients: int) -> np.ndarray:
+    """(L_j, L + L_j) log-posterior gains: client neuron l joining global neuron i (first L
+    columns) or opening the k-th new one (the rest)."""
+    param = (((w_j[:, None, :] + glob[None]) ** 2 / (prec_j + glob_prec)[None]).sum(-1)
+             - (glob ** 2 / glob_prec).sum(-1)[None])
+    capped = np.minimum(counts, 10.0)  # as IBM's code: popular neurons stop attracting more
+    param = param + np.log(capped / (num_clients - capped))[None]
+    new = (((w_j + prior_mean_prec) ** 2 / (prior_prec + prec_j)).sum(-1)
+           - (prior_mean_prec ** 2 / prior_prec).sum())
+    k = np.arange(1, w_j.shape[0] + 1)
+    nonparam = new[:, None] - 2 * np.log(k)[None] + 2 * np.log(gamma / num_clients)
+    return np.hstack([param, nonparam])
+
+
+def bbp_map(weights: Sequence[np.ndarray], *, sigma: Any = 1.0, sigma0: Any = 1.0,
+            mu0: Any = 0.0, gamma: float = 7.0, iterations: int = 5,
+            rng: Optional[np.random.Generator] = None) -> BBPMatch:
+    """Matches J clients' neurons (weights[j]: (L_j, D), one row per neuron: its incoming
+    weights and bias) by BBP-MAP: each client in turn is assigned by the Hungarian algorithm
+    on `_bbp_cost` against the others' current global layer, first in decreasing L_j, then
+    `iterations` sweeps in random order, each removing and re-matching one client. Gaussian
+    neurons (variance sigma^2 around their global neuron, prior N(mu0, sigma0^2)), Indian
+    buffet prior with mass gamma; IBM's FedMA defaults. sigma, sigma0 and mu0 are scalars or
+    (D,) arrays (IBM's code: mu0 = 0.1 on the bias column). The returned weights are the
+    posterior means sum(w) / sigma^2 + mu0 / sigma0^2 over n / sigma^2 + 1 / sigma0^2: a
+    neuron held by one client comes back shrunk towards mu0."""
+    rng = rng if rng is not None else np.random.default_rng(0)
+    ws = [np.asarray(w, np.float64) for w in weights]
+    if not ws or any(w.ndim != 2 or w.shape[1] != ws[0].shape[1] for w in ws):
+        raise ValueError("weights must be J >= 1 arrays (L_j, D) of one D, got shapes "
+                         f"{[w.shape for w in ws]}")
+    num, dim = len(ws), ws[0].shape[1]
+    per_dim = lambda x: np.broadcast_to(np.asarray(x, np.float64), (dim,))  # noqa: E731
+    prec = 1.0 / per_dim(sigma) ** 2
+    prior_prec = 1.0 / per_dim(sigma0) ** 2
+    prior_mean_prec = per_dim(mu0) * prior_prec
+    normed = [w * prec for w in ws]
+    order = sorted(range(num), key=lambda j: -ws[j].shape[0])
+    first = order[0]
+    glob = prior_mean_prec + normed[first]
+    glob_prec = np.tile(prior_prec + prec, (len(glob), 1))
+    counts = np.ones(len(glob))
+    assign: List[np.ndarray] = [np.zeros(0, np.int64)] * num
+    assign[first] = np.arange(len(glob))
+
+    def add(j, glob, glob_prec, counts):
+        cost = _bbp_cost(normed[j], glob, glob_prec, counts, prec, prior_mean_prec,
+                         prior_prec, gamma, num)
+        rows, cols = linear_sum_assignment(cost, maximize=True)
+        out = np.empty(len(rows), np.int64)
+        size = len(glob)
+        new_rows = []
+        for l, i in zip(rows, cols):
+            if i < size:
+                glob[i] += normed[j][l]
+                glob_prec[i] += prec
+                counts[i] += 1
+                out[l] = i
+            else:
+                out[l] = size + len(new_rows)
+                new_rows.append(l)
+        if new_rows:
+            glob = np.vstack([glob, prior_mean_prec + normed[j][new_rows]])
+            glob_prec = np.vstack([glob_prec, np.tile(prior_prec + prec, (len(new_rows), 1))])
+            counts = np.concatenate([counts, np.ones(len(new_rows))])
+        return glob, glob_prec, counts, out
+
+    for j in order[1:]:
+        glob, glob_prec, counts, assign[j] = add(j, glob, glob_prec, counts)
+    for _ in range(iterations):
+        for j in rng.permutation(num):
+            # Take client j out; global neurons only it held disappear.
+            np.subtract.at(glob, assign[j], normed[j])
+            np.subtract.at(glob_prec, assign[j], prec)
+            np.subtract.at(counts, assign[j], 1.0)
+            keep = counts > 0
+            remap = np.cumsum(keep) - 1
+            glob, glob_prec, counts = glob[keep], glob_prec[keep], counts[keep]
+            assign = [a if k == j else remap[a] for k, a in enumerate(assign)]
+            glob, glob_prec, counts, assign[j] = add(j, glob, glob_prec, counts)
+    return BBPMatch(glob / glob_prec, assign, counts)
+
+
+__all__ = ["align", "match", "assignment", "bbp_map", "BBPMatch", "weight_matching", "activation_matching", "BY"]

@@ -95,3 +95,54 @@ def test_bad_requests_say_what_is_wrong():
     g = models.init(grouped, jax.random.PRNGKey(0), (4, 4, 1))
     with pytest.raises(ValueError, match="grouped"):
         matching.align(grouped, g, g)
+
+
+def _members(m):
+    """{frozenset of (client, neuron)}: which neurons share a global one, -> its weights."""
+    out = {}
+    for j, assign in enumerate(m.assignments):
+        for row, g in enumerate(assign):
+            out.setdefault(int(g), set()).add((j, row))
+    return {frozenset(v): m.weights[g] for g, v in out.items()}
+
+
+def test_bbp_map_against_a_hand_solved_case():
+    # Client 0's neurons e1 and e2 (times 10); client 1 holds a copy of e2 (10.2) and e3, which
+    # nobody else has. Gains (sigma = sigma0 = 1, gamma = 7, J = 2): joining e2's global
+    # neuron 20.2^2/3 - 10^2/2 = 86.0; e3 joining either 200/3 - 50 = 16.7; e3 opening a new
+    # neuron 10^2/2 + 2 log(7/2) = 52.5: so e2's copy joins, e3 is added. Posterior means:
+    # sum of members / (members + 1) (the N(0, 1) prior counts as one member).
+    a = np.array([[10.0, 0, 0], [0, 10.0, 0]])
+    b = np.array([[0, 10.2, 0], [0, 0, 10.0]])
+    want = {frozenset({(0, 0)}): [5.0, 0, 0], frozenset({(0, 1), (1, 0)}): [0, 20.2 / 3, 0],
+            frozenset({(1, 1)}): [0, 0, 5.0]}
+    for seed in range(3):  # whatever order the sweeps take
+        m = matching.bbp_map([a, b], rng=np.random.default_rng(seed))
+        got = _members(m)
+        assert set(got) == set(want) and sorted(m.counts) == [1, 1, 2]
+        for k, w in want.items():
+            np.testing.assert_allclose(got[k], w)
+    # Swapping the clients swaps the labels only.
+    swapped = _members(matching.bbp_map([b, a]))
+    assert set(swapped) == {frozenset((1 - j, r) for j, r in k) for k in want}
+
+
+def test_bbp_map_groups_noisy_copies_and_never_exceeds_the_total_width():
+    rng = np.random.default_rng(0)
+    centres = rng.normal(size=(6, 8)) * 5
+    clients = [centres[rng.permutation(6)[:k]] + 0.05 * rng.normal(size=(k, 8))
+               for k in (6, 5, 4, 6)]
+    m = matching.bbp_map(clients, rng=np.random.default_rng(1))
+    assert len(m.weights) == 6 <= sum(len(c) for c in clients)  # one global neuron per centre
+    assert m.counts.sum() == sum(len(c) for c in clients)
+    for c, assign in zip(clients, m.assignments):  # a client's neurons go to distinct ones
+        assert len(set(assign.tolist())) == len(c)
+    member = {}
+    for c, assign in zip(clients, m.assignments):
+        for row, g in zip(c, assign):
+            member.setdefault(int(g), []).append(row)
+    for rows in member.values():  # the members of a global neuron are copies of one centre
+        rows = np.asarray(rows)
+        assert np.max(np.abs(rows - rows.mean(0))) < 0.5
+    with pytest.raises(ValueError, match="one D"):
+        matching.bbp_map([np.zeros((2, 3)), np.zeros((2, 4))])
