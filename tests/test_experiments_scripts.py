@@ -270,3 +270,19 @@ def test_a_failing_overwrite_keeps_the_old_results(tmp_path, monkeypatch, capsys
     assert len(err) == 1 and "FEDJAX_PAN_FASHION_MNIST_DIR" in err[0]
     assert os.listdir(tmp_path / "out") == ["old.csv"]
     assert sorted(os.listdir(tmp_path)) == ["empty", "out"]  # nothing left aside
+
+
+def test_fed2_compare_reports_diverged_runs_apart():
+    from experiments import fed2_compare
+    rows = [{"method": "fedavg", "classes": 2, "seed": 0, "final_accuracy": 0.5,
+             "diverged": False, "upload_bytes_per_client": 2.0 ** 20},
+            {"method": "fedavg", "classes": 2, "seed": 1, "final_accuracy": float("nan"),
+             "diverged": True, "upload_bytes_per_client": 3 * 2.0 ** 20},
+            {"method": "fed2", "classes": 2, "seed": 0, "final_accuracy": 0.25,
+             "diverged": False, "upload_bytes_per_client": 2.0 ** 19},
+            {"method": "fed2", "classes": 2, "seed": 1, "final_accuracy": 0.75,
+             "diverged": False, "upload_bytes_per_client": 2.0 ** 19}]
+    avg, f2 = fed2_compare.summarize(rows)
+    assert (avg["mean"], avg["std"], avg["seeds"], avg["diverged"], avg["upload_mib"]) == \
+        (0.5, 0.0, 2, 1, 2.0)
+    assert (f2["mean"], f2["std"], f2["diverged"], f2["upload_mib"]) == (0.5, 0.25, 0, 0.5)
