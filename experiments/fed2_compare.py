@@ -12,7 +12,7 @@ Presets:
            widths rounded up to multiples of G = 10) with GroupNorm (4 groups) in the
            shared layers of every method, N = 10, C in {2, 5}, 6,000 training examples (600
            per client), E = 1, B = 32, no learning-rate warm-up, 16 rounds, 2 seeds; about
-           7 s per round, 45 minutes on 2 CPU cores. (Without normalisation the plain VGG9
+           7-11 s per round, 55 minutes on 2 CPU cores. (Without normalisation the plain VGG9
            stayed at chance for 20 rounds here, and diverged at C = 2.)
   default  the cpu preset
   paper    CIFAR-10, VGG9, N = 10, C in {3, 4, 5, 10}, E = 5, 100 rounds, 3 seeds (Table 1;
