@@ -95,8 +95,9 @@ def fuse_pair(s: Settings, data: common.ArrayData, net: Tuple[str, str, Any], pa
         trained.append(variables)
     a, b = trained
     inputs = data.train_x[halves[0][:s.align_inputs]]
-    perms = matching.match(model, a, b, by=s.align_by, inputs=inputs)
-    aligned = permutation.apply_permutation(permutation.spec_for(model, b), perms, b)
+    spec = permutation.spec_for(model, b)
+    perms = matching.match(model, a, b, by=s.align_by, inputs=inputs, spec=spec)
+    aligned = permutation.apply_permutation(spec, perms, b)
     accuracy = common.make_accuracy(model, data)
     return {"plain": [accuracy(interpolate(a, b, mu)) for mu in s.mus],
             "aligned": [accuracy(interpolate(a, aligned, mu)) for mu in s.mus],

@@ -120,10 +120,9 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
         sent = sent_groups(local).astype(jnp.float32)
 
         def nbytes(path, leaf):
-            size = np.dtype(leaf.dtype).itemsize * leaf.size / leaf.shape[owners[path][0]]
+            size = tree_bytes(leaf) / leaf.shape[owners[path][0]]
             return jnp.sum(sent[jnp.asarray(owners[path][1])]) * size
-        sizes = _map_grouped(nbytes, lambda leaf: np.dtype(leaf.dtype).itemsize * leaf.size,
-                             owners, output["delta"])
+        sizes = _map_grouped(nbytes, tree_bytes, owners, output["delta"])
         rest = tree_bytes((output["group_weight"], output["model_state"]))
         return sum(jax.tree_util.tree_leaves(sizes)) + rest
 
