@@ -252,6 +252,19 @@ def _algorithms_block(results: Results) -> tuple:
     lines = [_describe(r["workload"]),
              f"strategy {r['strategy']} (auto); training and aggregation, no evaluation; "
              "each algorithm with its default options"]
+    d = r.get("drivers")
+    if d and d["algorithms"]:
+        fa = d["fedavg"]
+        lines.append(f"Algorithms with their own driver, against FedAvg on the same network "
+                     f"(hidden {tuple(d['hidden'])}, no PANs): FedAvg "
+                     f"{fa['seconds_per_round']:.3f} s/round, {fa['upload_mib']:.1f} / "
+                     f"{fa['download_mib']:.1f} MiB up / down per round")
+        for name, a in d["algorithms"].items():
+            lines.append(f"  {name}: {a['seconds_per_round']:.2f} s/round "
+                         f"({a['vs_fedavg']:.1f}x FedAvg; {a['compiles_timed']} compilations, "
+                         f"{a['compile_s_timed']:.1f} s, in the timed round as its layers "
+                         f"grow), {a['upload_mib']:.1f} / {a['download_mib']:.1f} MiB up / "
+                         f"down, hidden widths {tuple(a['widths'])}")
     return "Algorithms on the MLP bench", lines, header, rows
 
 

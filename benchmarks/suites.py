@@ -151,6 +151,8 @@ class Settings:
     grouped_step: Tuple[float, Tuple[int, int, int], int] = (1.0, (28, 28, 1), 64)
     grouped_groups: int = 10
     grouped_rounds: Tuple[GroupedRound, ...] = ()
+    # Algorithms with their own driver (FedMA): the MLP bench network at these widths.
+    driver_hidden: Tuple[int, ...] = (1024, 1024, 1024)
 
 
 def make_settings(suite: str = "cpu", quick: bool = False,
@@ -174,6 +176,7 @@ def make_settings(suite: str = "cpu", quick: bool = False,
             conv=conv, slow_round_s=5.0, scaling_per_round=(2, 5, 10), scaling_reps=1,
             grouped_layers=(GroupedLayer(8, 4, 24, 4),), grouped_reps=r,
             grouped_budget_s=0.5, grouped_step=(0.125, (8, 8, 1), 8), grouped_groups=2,
+            driver_hidden=(16, 16, 16),
             grouped_rounds=(
                 GroupedRound("vgg9_grouped", "vgg9", (("width", 0.125),), 2, 6, (8, 8, 1),
                              2, 16, 8, 1),
@@ -402,6 +405,13 @@ class Measured:
     first_params: PyTree  # global params after round 0 (agreement check)
     train_loss: float
     accuracy: Optional[float]
+    last_stats: Optional[Dict[str, Any]] = None  # the last timed round's statistics
+
+
+def _evaluate(evaluate: Callable[..., Dict[str, Any]], sim: Any, server: PyTree
+              ) -> Dict[str, Any]:
+    net, variables = sim.evaluation(server)
+    return evaluate(variables, net)
 
 
 def time_engine(sim: Simulation, variables: PyTree,
@@ -419,11 +429,11 @@ def time_engine(sim: Simulation, variables: PyTree,
             state, stats = sim.round(state)
             jax.block_until_ready(state.server)
             if first is None:
-                first = sim.algorithm.eval_variables(state.server)["params"]
+                first = sim.evaluation(state.server)[1]["params"]
             all_real += stats["real_examples"]
             all_computed += stats["computed_examples"]
             if evaluate is not None:
-                evaluate(sim.algorithm.eval_variables(state.server))
+                _evaluate(evaluate, sim, state.server)
         warmup_s = time.perf_counter() - start
     slow = (warmup_s - warm.seconds) / warmup > slow_round_s
     train_s, eval_s, real, computed, accuracy = [], [], [], [], None
@@ -434,15 +444,14 @@ def time_engine(sim: Simulation, variables: PyTree,
             jax.block_until_ready(state.server)
             t1 = time.perf_counter()
             if evaluate is not None:
-                accuracy = float(evaluate(sim.algorithm.eval_variables(state.server))
-                                 ["accuracy"])
+                accuracy = float(_evaluate(evaluate, sim, state.server)["accuracy"])
             eval_s.append(time.perf_counter() - t1)
             train_s.append(t1 - t0)
             real.append(stats["real_examples"])
             computed.append(stats["computed_examples"])
     return Measured(train_s, eval_s, real, computed, all_real + sum(real),
                     all_computed + sum(computed), warmup_s, warm.count, warm.seconds,
-                    timed.count, timed.seconds, first, stats["train_loss"], accuracy)
+                    timed.count, timed.seconds, first, stats["train_loss"], accuracy, stats)
 
 
 def time_naive(naive: NaiveFedAvg, w: Workload, sim: Simulation, warmup: int, reps: int,
@@ -760,6 +769,8 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
     reps = 1 if settings.quick else settings.reps
     out: Dict[str, Any] = {}
     for name, entry in registry.ALGORITHMS.items():
+        if entry.driver is not None:  # its own rounds and network: `driver_rows` below
+            continue
         with cfg.unlocked():
             cfg.algorithm, cfg.optimizer.warmup = name, "none"
             cfg.optimizer.lr = settings.learning_rate
@@ -796,7 +807,54 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
     log(f"[algorithms] fedavg + median: {median['seconds_per_round']:.3f} s/round, "
         f"{median['stacked_outputs_mib']:.1f} MiB of stacked outputs")
     return {"strategy": strategy, "workload": w.describe(m_per), "algorithms": out,
-            "median_aggregation": median}
+            "median_aggregation": median, "drivers": driver_rows(settings, w, cfg, strategy, log)}
+
+
+def driver_rows(settings: Settings, w: Workload, cfg: Any, strategy: str,
+                log: Log) -> Dict[str, Any]:
+    """Each algorithm with its own driver (FedMA) against FedAvg, both on the MLP bench at
+    `driver_hidden` widths without PANs: seconds per round (its layers grow, so each of
+    its rounds compiles anew: included), bytes sent up and down per round."""
+    from fedjax_pan.algorithms import registry
+
+    model = models.resized(w.model, {f"fc{i}": h for i, h in
+                                     enumerate(settings.driver_hidden, start=1)})
+    variables = models.init(model, jax.random.PRNGKey(settings.seed),
+                            tuple(w.data.images.shape[1:]))
+    m_per = settings.mlp_per_round
+    client_tx = client_optimizer(settings.learning_rate, settings.momentum, 0.0, None)
+    algorithm = fedavg(model, client_tx)
+    sim = Simulation(algorithm, w.data, w.work, make_executor(
+        strategy, algorithm, w.work, w.data, variables, m_per), m_per / w.data.num_clients,
+        seed=settings.seed)
+    reps = 1 if settings.quick else settings.reps
+    base = time_engine(sim, variables, None, settings.warmup, reps, settings.slow_round_s)
+    model_bytes = float(tree_bytes(variables))
+    fedavg_rec = {"seconds_per_round": float(np.median(base.train_s)),
+                  "upload_mib": m_per * model_bytes / 2**20,
+                  "download_mib": m_per * model_bytes / 2**20}
+    out = {}
+    for name, entry in registry.ALGORITHMS.items():
+        if entry.driver is None:
+            continue
+        with cfg.unlocked():
+            cfg.algorithm, cfg.participation = name, m_per / w.data.num_clients
+            cfg.execution.strategy = strategy
+        driver = entry.driver(model, cfg, w.data, w.work)
+        m = time_engine(driver, variables, None, settings.warmup, reps, settings.slow_round_s)
+        stats = m.last_stats
+        rec = {"seconds_per_round": float(np.median(m.train_s)), "reps": len(m.train_s),
+               "compiles_timed": m.compiles_timed, "compile_s_timed": m.compile_s_timed,
+               "upload_mib": stats["upload_bytes"] / 2**20,
+               "download_mib": stats["download_bytes"] / 2**20,
+               "widths": [int(stats[f"train_width_fc{i}"])
+                          for i in range(1, len(settings.driver_hidden) + 1)]}
+        rec["vs_fedavg"] = rec["seconds_per_round"] / fedavg_rec["seconds_per_round"]
+        out[name] = rec
+        log(f"[algorithms] {name}: {rec['seconds_per_round']:.2f} s/round "
+            f"({rec['vs_fedavg']:.1f}x FedAvg's on hidden {settings.driver_hidden}), "
+            f"{rec['upload_mib']:.1f} / {rec['download_mib']:.1f} MiB up / down")
+    return {"hidden": list(settings.driver_hidden), "fedavg": fedavg_rec, "algorithms": out}
 
 
 def _time_interleaved(calls: Dict[str, Tuple[Callable, tuple]], reps: int,

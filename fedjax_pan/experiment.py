@@ -146,6 +146,18 @@ def build(cfg: ml_collections.ConfigDict,
     client_data = ClientData.create(train_x, ds.train_labels, parts, ds.num_classes)
     work = LocalWork(cfg.local.batch_size, cfg.local.epochs, cfg.local.mode,
                      cfg.local.local_steps)
+    evaluate = make_evaluator(model, test_x, ds.test_labels, cfg.eval.batch_size,
+                              ds.num_classes)
+    driver = algorithms.ALGORITHMS[cfg.algorithm].driver
+    if driver is not None:  # rounds run by the algorithm's own driver (e.g. FedMA)
+        _check(cfg.shuffle.n_sf == 0, f"config.shuffle.n_sf > 0 (Alg. 2) is not available "
+               f"with algorithm {cfg.algorithm!r}: set shuffle.n_sf=0")
+        try:
+            simulation = driver(model, cfg, client_data, work)
+        except ValueError as e:
+            raise ConfigError(f"config.{cfg.algorithm}: {e}") from None
+        strategy = resolve_strategy(cfg.execution.strategy, variables)
+        return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy)
     try:
         algorithm = algorithms.from_config(model, cfg)
     except ValueError as e:
@@ -164,8 +176,6 @@ def build(cfg: ml_collections.ConfigDict,
         raise ConfigError(f"config.execution: {e}") from None
     simulation = Simulation(algorithm, client_data, work, executor, cfg.participation,
                             cfg.aggregation.weights, cfg.seed)
-    evaluate = make_evaluator(model, test_x, ds.test_labels, cfg.eval.batch_size,
-                              ds.num_classes)
     return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy)
 
 
@@ -330,7 +340,8 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             ckpt = workdir_lib.Checkpoints(workdir)
         counters: Dict[str, Any] = {}
         if resume and ckpt.latest() is not None:
-            tree, counters = ckpt.restore(ckpt.latest(), (state.server, state.client_states))
+            tree, counters = ckpt.restore(ckpt.latest(), (state.server, state.client_states),
+                                          saved_shapes=exp.simulation.shapes_change)
             state = SimState(*tree, ckpt.latest())
             last_saved = state.round
         run = _Run(counters, exp.setup_compiles)
@@ -372,11 +383,14 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                                            "lower optimizer.lr or optimizer.grad_clip")
                 row = None
                 if r % cfg.eval.every == 0 or r == cfg.rounds:
-                    ev = exp.evaluate(exp.simulation.algorithm.eval_variables(new_state.server))
+                    net, evaluated = exp.simulation.evaluation(new_state.server)
+                    ev = exp.evaluate(evaluated, net)
                     # The algorithm's own metrics (train_*) follow the engine's.
                     row = {"round": r, "test_accuracy": ev["accuracy"], "test_loss": ev["loss"],
                            **{k: v for k, v in stats.items() if k.startswith("train_")},
                            "upload_bytes": stats["upload_bytes"],
+                           **({"download_bytes": stats["download_bytes"]}
+                              if "download_bytes" in stats else {}),
                            "seconds": time.time() - t0}
                     if cfg.eval.local:
                         local_acc = label_mix @ ev["class_accuracy"]

@@ -206,8 +206,11 @@ def _bbp_cost(w_j: np.ndarray, glob: np.ndarray, glob_prec: np.ndarray, counts: 
               gamma: float, num_clients: int) -> np.ndarray:
     """(L_j, L + L_j) log-posterior gains: client neuron l joining global neuron i (first L
     columns) or opening the k-th new one (the rest)."""
-    param = (((w_j[:, None, :] + glob[None]) ** 2 / (prec_j + glob_prec)[None]).sum(-1)
-             - (glob ** 2 / glob_prec).sum(-1)[None])
+    # sum_d (w + g)^2 / (prec_j + glob_prec) - g^2 / glob_prec, expanded into matmuls so
+    # no (L_j, L, D) array is formed (1024-wide layers of 1025 inputs: 8 GiB otherwise).
+    inv = 1.0 / (prec_j[None] + glob_prec)
+    param = ((w_j ** 2) @ inv.T + 2.0 * w_j @ (glob * inv).T
+             + ((glob ** 2) * inv - glob ** 2 / glob_prec).sum(-1)[None])
     capped = np.minimum(counts, 10.0)  # as IBM's code: popular neurons stop attracting more
     param = param + np.log(capped / (num_clients - capped))[None]
     new = (((w_j + prior_mean_prec) ** 2 / (prior_prec + prec_j)).sum(-1)

@@ -343,8 +343,10 @@ class Checkpoints:
         for p in glob.glob(os.path.join(glob.escape(self.directory), "*orbax-checkpoint-tmp*")):
             shutil.rmtree(p, ignore_errors=True)
 
-    def restore(self, step: int, template: Any) -> Tuple[Any, Dict[str, Any]]:
-        """The tree saved at `step` (shaped like `template`) and its counters.
+    def restore(self, step: int, template: Any, saved_shapes: bool = False
+                ) -> Tuple[Any, Dict[str, Any]]:
+        """The tree saved at `step` (structured like `template`, and shaped like it unless
+        `saved_shapes`: then each leaf keeps its saved shape) and its counters.
 
         Raises WorkdirError when the checkpoint cannot be read or its digest differs.
         """
@@ -357,7 +359,7 @@ class Checkpoints:
         try:
             with _quiet_absl():
                 restored = self.manager.restore(step, args=self.ocp.args.Composite(
-                    state=self.ocp.args.StandardRestore(target),
+                    state=self.ocp.args.StandardRestore(None if saved_shapes else target),
                     meta=self.ocp.args.JsonRestore()))
             meta = restored["meta"]
             values = [np.asarray(restored["state"][k]) for k in sorted(target)]

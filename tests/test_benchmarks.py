@@ -75,7 +75,16 @@ def test_every_section_is_present(quick):
         assert section in results, section
     from fedjax_pan.algorithms import ALGORITHMS
     algos = results["algorithms"]["algorithms"]
-    assert set(algos) == set(ALGORITHMS) and algos["fedavg"]["vs_fedavg"] == 1.0
+    drivers = results["algorithms"]["drivers"]
+    assert set(algos) | set(drivers["algorithms"]) == set(ALGORITHMS)
+    assert algos["fedavg"]["vs_fedavg"] == 1.0
+    # FedMA's layers never shrink nor exceed the sampled clients' neurons; it sends its
+    # layers up and, down, the model plus each matched layer and the assignments.
+    fedma = drivers["algorithms"]["fedma"]
+    hidden, m = drivers["hidden"], results["algorithms"]["workload"]["clients_per_round"]
+    assert all(h <= w <= m * h for h, w in zip(hidden, fedma["widths"]))
+    assert fedma["download_mib"] > drivers["fedavg"]["download_mib"] > 0
+    assert fedma["vs_fedavg"] > 0
     # Stateful algorithms keep one parameter-sized state per client; FedAvg keeps none.
     assert algos["fedavg"]["client_state_mib"] == 0.0
     assert algos["scaffold"]["client_state_mib"] == pytest.approx(

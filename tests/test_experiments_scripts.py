@@ -286,3 +286,49 @@ def test_fed2_compare_reports_diverged_runs_apart():
     assert (avg["mean"], avg["std"], avg["seeds"], avg["diverged"], avg["upload_mib"]) == \
         (0.5, 0.0, 2, 1, 2.0)
     assert (f2["mean"], f2["std"], f2["diverged"], f2["upload_mib"]) == (0.5, 0.25, 0, 0.5)
+
+
+def test_alignment_methods_runs_and_tabulates_its_runs(tmp_path):
+    from experiments import alignment_methods as am
+    from fedjax_pan import experiment
+    for preset in ("cpu", "paper"):  # every run of the long presets is a valid config
+        s = am.PRESETS[preset]
+        for method in s.methods:
+            for setting in s.settings:
+                experiment.validate(am.run_config(s, method, setting, 0))
+    out = str(tmp_path / "a")
+    assert am.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    runs = common.read_csv(os.path.join(out, "alignment_runs.csv"))
+    assert [r["method"] for r in runs] == list(am.METHODS)
+    by = {r["method"]: r for r in runs}
+    # FedAvg sends its 16-12-12-12-10 MLP's float32 delta each way, per client (4).
+    from fedjax_pan import models
+    n = models.count_params(models.init(models.build("mlp", 10, hidden=[12, 12, 12]),
+                                        jax.random.PRNGKey(0), (28, 28, 1)))
+    assert float(by["fedavg"]["upload_bytes_per_round"]) == 4 * 4 * n
+    # FedMA's layers grow (never beyond the 4 clients' 48 neurons) and it sends more down.
+    widths = [int(w) for w in by["fedma"]["hidden_widths"].split("-")]
+    assert len(widths) == 3 and all(12 <= w <= 48 for w in widths)
+    assert float(by["fedma"]["download_bytes_per_round"]) > float(
+        by["fedma"]["upload_bytes_per_round"])
+    for row in common.read_csv(os.path.join(out, "alignment_methods.csv")):
+        assert float(row["mean"]) == pytest.approx(float(by[row["method"]]["final_accuracy"]))
+    config = _json(os.path.join(out, "runs", "K4_R1_a0.5_E1_fedma_s0", "config.json"))
+    assert config["algorithm"] == "fedma" and config["pan"]["amplitude"] == 0.0
+    assert os.path.getsize(os.path.join(out, "alignment_methods.png")) > 10_000
+
+
+def test_cifar10_alignment_config_presets_are_valid():
+    import importlib.util
+    from fedjax_pan import experiment
+    spec = importlib.util.spec_from_file_location(
+        "cifar10_alignment", os.path.join(ROOT, "configs", "cifar10_alignment.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for preset in module.PRESETS:
+        cfg = module.get_config(preset)
+        assert set(cfg.variants) == {"fedavg", "fedavg_pans", "fedma", "fed2"}
+        for name, overrides in cfg.variants.to_dict().items():
+            experiment.validate(experiment.apply_overrides(cfg, overrides))
+    with pytest.raises(ValueError, match="nosuch"):
+        module.get_config("nosuch")

@@ -132,11 +132,18 @@ def tree_bytes(tree: PyTree) -> int:
 
 class AlgorithmEntry(NamedTuple):
     """How a config names and builds an algorithm: build(model, cfg, client_tx, server_tx),
-    and the defaults and rules (`fedjax_pan.rules`) of its namespace config.<name>."""
+    and the defaults and rules (`fedjax_pan.rules`) of its namespace config.<name>.
+
+    An algorithm whose round cannot be one compiled federated round (FedMA: matching on
+    the host, a model that grows) gives a `driver(model, cfg, client_data, local_work)`
+    returning an object with `engine.Simulation`'s interface (init, round, evaluation,
+    num_sampled, shapes_change); the engine runs it as it runs a Simulation.
+    """
 
     build: Callable[..., FederatedAlgorithm]
     options: Dict[str, Any]
     rules: Dict[str, Any]
+    driver: Optional[Callable[..., Any]] = None
 
 
 def no_client_state(server_state: PyTree) -> None:

@@ -17,6 +17,7 @@ from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fed2 import ENTRY as FED2
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.feddyn import ENTRY as FEDDYN
+from fedjax_pan.algorithms.fedma import ENTRY as FEDMA
 from fedjax_pan.algorithms.fedprox import ENTRY as FEDPROX
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.moon import ENTRY as MOON
@@ -51,6 +52,7 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "moon": MOON,
     "feddyn": FEDDYN,
     "fed2": FED2,
+    "fedma": FEDMA,
 }
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+import functools
+from typing import Any, Callable, Dict, Optional
 
 import flax.linen as nn
 import jax
@@ -15,8 +16,11 @@ PyTree = Any
 
 def make_evaluator(model: nn.Module, images: np.ndarray, labels: np.ndarray,
                    batch_size: int = 1000, num_classes: int = 0
-                   ) -> Callable[[PyTree], Dict[str, Any]]:
+                   ) -> Callable[..., Dict[str, Any]]:
     """variables -> {'accuracy', 'loss', 'class_accuracy'} over (images, labels), eval mode.
+
+    `evaluate(variables, net)` evaluates another network on the same set (e.g. one whose
+    layers grew, as FedMA's global model); each distinct network compiles once.
 
     The set is padded to whole batches once and kept on the device; batches run as a
     Python loop of one compiled function (convs inside lax.scan are slow on CPU).
@@ -37,20 +41,21 @@ def make_evaluator(model: nn.Module, images: np.ndarray, labels: np.ndarray,
     xs = jnp.asarray(x.reshape(*shape, *images.shape[1:]))
     ys, ms = jnp.asarray(y.reshape(shape)), jnp.asarray(mask.reshape(shape))
 
-    @jax.jit
-    def batch_sums(variables, acc, xs, ys, ms, i):
+    @functools.partial(jax.jit, static_argnums=0)
+    def batch_sums(net, variables, acc, xs, ys, ms, i):
         # The test set is an argument, not a closed-over constant baked into the program.
-        logits = model.apply(variables, xs[i], train=False)
+        logits = net.apply(variables, xs[i], train=False)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, ys[i])
         correct = (jnp.argmax(logits, -1) == ys[i]).astype(jnp.float32) * ms[i]
         per_class = jax.nn.one_hot(ys[i], num_classes).T @ correct
         return acc + jnp.concatenate([jnp.stack([jnp.sum(correct), jnp.sum(ce * ms[i])]),
                                       per_class])
 
-    def evaluate(variables: PyTree) -> Dict[str, Any]:
+    def evaluate(variables: PyTree, net: Optional[nn.Module] = None) -> Dict[str, Any]:
+        net = model if net is None else net
         acc = jnp.zeros(2 + num_classes, jnp.float32)
         for i in range(num_batches):
-            acc = batch_sums(variables, acc, xs, ys, ms, jnp.int32(i))
+            acc = batch_sums(net, variables, acc, xs, ys, ms, jnp.int32(i))
         acc = np.asarray(acc, np.float64)
         return {"accuracy": acc[0] / n, "loss": acc[1] / n,
                 "class_accuracy": acc[2:] / np.maximum(class_counts, 1)}

@@ -37,6 +37,14 @@ def clients_per_round(participation: float, num_clients: int) -> int:
     return max(1, int(round(participation * num_clients)))
 
 
+def sample_clients(seed: int, num_clients: int, num_sampled: int, round_index: int
+                   ) -> np.ndarray:
+    """The sorted ids of round `round_index`'s clients, drawn without replacement from
+    (seed, round) alone, so a resumed run samples identically."""
+    rng = np.random.default_rng([seed, round_index])
+    return np.sort(rng.choice(num_clients, num_sampled, replace=False))
+
+
 @dataclasses.dataclass
 class Simulation:
     algorithm: FederatedAlgorithm
@@ -83,10 +91,16 @@ class Simulation:
                 lambda x: jnp.broadcast_to(x, (k, *np.shape(x))), one)
         return SimState(server, states, 0)
 
+    # Checkpoints restore into the shapes of `init`'s state (a driver whose model grows,
+    # as FedMA's, sets this to restore the saved shapes).
+    shapes_change = False
+
     def sample(self, round_index: int) -> np.ndarray:
-        rng = np.random.default_rng([self.seed, round_index])
-        ids = rng.choice(self.data.num_clients, self.num_sampled, replace=False)
-        return np.sort(ids)
+        return sample_clients(self.seed, self.data.num_clients, self.num_sampled, round_index)
+
+    def evaluation(self, server: PyTree) -> tuple:
+        """(network to evaluate, or None for the experiment's model; its variables)."""
+        return None, self.algorithm.eval_variables(server)
 
     def cohort(self, state: SimState, round_index: int) -> Cohort:
         ids = self.sample(round_index)

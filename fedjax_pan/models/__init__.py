@@ -29,12 +29,28 @@ from fedjax_pan.models import layers
 from fedjax_pan.models.mlp import MLP
 from fedjax_pan.models.mobilenet import MobileNetV1
 from fedjax_pan.models.resnet import ResNet
-from fedjax_pan.models.vgg import CONV_PLANS, FC_HIDDEN, VGG
+from fedjax_pan.models.vgg import CONV_PLANS, FC_HIDDEN, VGG, scaled
 from fedjax_pan.pan import PANLike, as_config
 
 
 def _vgg(name: str) -> Callable[..., nn.Module]:
-    return lambda **kw: VGG(plan=CONV_PLANS[name], fc_hidden=FC_HIDDEN[name], **kw)
+    def make(channels: Optional[Tuple[int, ...]] = None,
+             fc_hidden: Optional[Tuple[int, ...]] = None, **kw: Any) -> nn.Module:
+        plan = CONV_PLANS[name]
+        if channels is not None:
+            plan = with_channels(plan, channels)
+        return VGG(plan=plan, fc_hidden=FC_HIDDEN[name] if fc_hidden is None else
+                   tuple(int(h) for h in fc_hidden), **kw)
+    return make
+
+
+def with_channels(plan: Tuple[Any, ...], channels: Tuple[int, ...]) -> Tuple[Any, ...]:
+    """`plan` with its conv widths replaced, in order, by `channels` (pools kept)."""
+    convs = sum(1 for item in plan if item != "M")
+    if len(channels) != convs or any(int(c) < 1 for c in channels):
+        raise ValueError(f"channels must give {convs} positive conv widths, got {channels}")
+    it = iter(int(c) for c in channels)
+    return tuple(item if item == "M" else next(it) for item in plan)
 
 
 # name -> (constructor, default norm)
@@ -49,10 +65,10 @@ _REGISTRY: Dict[str, Tuple[Callable[..., nn.Module], str]] = {
 }
 _OPTIONS = {
     "mlp": {"hidden", "grouped"},
-    "vgg9": {"pan_fc", "width", "grouped"},
-    "vgg11": {"width", "grouped"},
-    "vgg13": {"width", "grouped"},
-    "vgg16": {"width", "grouped"},
+    "vgg9": {"pan_fc", "width", "grouped", "channels", "fc_hidden"},
+    "vgg11": {"width", "grouped", "channels"},
+    "vgg13": {"width", "grouped", "channels"},
+    "vgg16": {"width", "grouped", "channels"},
     "resnet20": {"widths", "stem_width", "blocks_per_stage"},
     "mobilenet": {"width", "grouped"},
 }
@@ -65,8 +81,9 @@ def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] 
 
     pan: None (off), a PANConfig or a mapping of its fields. norm: 'none' | 'batch' |
     'group' | 'group(G)' (None = the model's default: batch for resnet20 and mobilenet,
-    else none). options: per-model extras (mlp: hidden; vgg9: pan_fc, width; vggN and
-    mobilenet: width; mlp, vgg* and mobilenet: grouped, a `GroupedConfig` or mapping of its
+    else none). options: per-model extras (mlp: hidden; vgg9: pan_fc, width, fc_hidden;
+    vggN and mobilenet: width; vgg*: channels, every conv's width in order (before
+    `width` scales them); mlp, vgg* and mobilenet: grouped, a `GroupedConfig` or mapping of its
     fields (Fed2 groups); resnet20: widths, stem_width, blocks_per_stage).
     """
     key = str(name).lower()
@@ -87,6 +104,38 @@ def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] 
             options["grouped"].class_map(int(num_classes))  # fails early on a bad map
     return ctor(num_classes=int(num_classes), pan=as_config(pan), norm=kind, groups=groups,
                 **options)
+
+
+def widths(model: nn.Module) -> Dict[str, int]:
+    """Hidden weight layer name -> its number of neurons (MLP and VGG)."""
+    if isinstance(model, MLP):
+        return {f"fc{i}": int(h) for i, h in enumerate(model.hidden, start=1)}
+    if isinstance(model, VGG):
+        convs = [int(c) for c in model.plan if c != "M"]
+        out = {f"conv{i}": scaled(c, model.width) for i, c in enumerate(convs, start=1)}
+        out.update({f"fc{i}": scaled(int(h), model.width)
+                    for i, h in enumerate(model.fc_hidden, start=1)})
+        return out
+    raise ValueError(f"{type(model).__name__} has no resizable widths (MLP and VGG do)")
+
+
+def resized(model: nn.Module, new_widths: Mapping[str, int]) -> nn.Module:
+    """`model` with the named hidden layers' widths changed (MLP and VGG; e.g. FedMA's
+    global model, whose matched layers grow)."""
+    current = widths(model)
+    unknown = set(new_widths) - set(current)
+    if unknown:
+        raise ValueError(f"no hidden layer(s) {sorted(unknown)} in {type(model).__name__}; "
+                         f"it has {sorted(current)}")
+    w = {**current, **{k: int(v) for k, v in new_widths.items()}}
+    if isinstance(model, MLP):
+        return model.clone(hidden=tuple(w[f"fc{i}"] for i in range(1, len(model.hidden) + 1)),
+                           parent=None)
+    convs = tuple(w[f"conv{i}"] for i in range(1, len(model.weight_layers())
+                                               - len(model.fc_hidden)))
+    fcs = tuple(w[f"fc{i}"] for i in range(1, len(model.fc_hidden) + 1))
+    return model.clone(plan=with_channels(model.plan, convs), fc_hidden=fcs, width=1.0,
+                       parent=None)
 
 
 def init(model: nn.Module, rng: jax.Array, input_shape: Tuple[int, ...]) -> Dict[str, Any]:
@@ -149,7 +198,6 @@ def count_params(variables: Mapping[str, Any]) -> int:
     return int(sum(np.size(leaf) for leaf in jax.tree_util.tree_leaves(params)))
 
 
-__all__ = ["build", "init", "apply_with_intermediates", "activation_gradients", "count_params",
-           "group_owners",
-           "NAMES",
-           "MLP", "VGG", "ResNet", "MobileNetV1"]
+__all__ = ["build", "init", "widths", "resized", "with_channels", "apply_with_intermediates",
+           "activation_gradients", "count_params", "group_owners", "NAMES", "MLP", "VGG",
+           "ResNet", "MobileNetV1"]

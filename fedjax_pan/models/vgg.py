@@ -75,7 +75,7 @@ class VGG(nn.Module):
                 x = nn.max_pool(x, (2, 2), strides=(2, 2), padding="SAME")
                 continue
             n += 1
-            name, width = f"conv{n}", _scaled(item, self.width)
+            name, width = f"conv{n}", scaled(item, self.width)
             if name in layout:
                 x = grouped_lib.grouped_unit(self, x, gc.width(width), name, conv=True,
                                              first=name == first, grouped=gc, pan=self.pan)
@@ -90,12 +90,12 @@ class VGG(nn.Module):
             name, pan = f"fc{i}", self.pan if self.pan_fc else None
             if name in layout:
                 x = x if name == first else x.reshape(x.shape[0], gc.groups, -1)
-                x = grouped_lib.grouped_unit(self, x, gc.width(_scaled(h, self.width)), name,
+                x = grouped_lib.grouped_unit(self, x, gc.width(scaled(h, self.width)), name,
                                              conv=False, first=name == first, grouped=gc,
                                              pan=pan)
             else:
                 # The released code normalises convs only; FC hidden layers stay plain.
-                x = layers.hidden_unit(self, x, _scaled(h, self.width), name, conv=False,
+                x = layers.hidden_unit(self, x, scaled(h, self.width), name, conv=False,
                                        norm="none", groups=self.groups, pan=pan, train=train)
         x = layers.sow(self, "features", x)
         if gc is None:
@@ -103,5 +103,6 @@ class VGG(nn.Module):
         return grouped_lib.decoupled_head(x, gc, self.num_classes)
 
 
-def _scaled(width: int, factor: float) -> int:
+def scaled(width: int, factor: float) -> int:
+    """`width` scaled by `factor`, at least 1."""
     return max(1, int(round(width * factor)))

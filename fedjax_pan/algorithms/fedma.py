@@ -1,0 +1,329 @@
+"""FedMA (Wang et al., ICLR 2020): federated matched averaging, layer by layer.
+
+One FedMA round over the sampled clients (IBM's released code, `--comm_type=fedma`):
+  1. each client trains the global model for E local epochs;
+  2. for each hidden layer l, input to output, the server matches the clients' neurons of
+     layer l by BBP-MAP (`matching.bbp_map`; a neuron is its incoming weights and bias,
+     whose inputs are already in the global order), so the global layer holds the matched
+     posterior means and may be wider than any client's. Each client receives it with its
+     assignment, moves its layer l+1's input rows to the global positions of the neurons
+     they came from (zeros for global neurons it does not hold), freezes layers <= l and
+     retrains the rest for `retrain_epochs`;
+  3. the head is averaged, output c weighted by each client's count of class c.
+
+The global model's widths are the matched layers', so the network is rebuilt every round
+(`models.resized`) and evaluated as such. Matching needs scipy and host arrays, so a FedMA
+round is a driver in Python between compiled calls (`FedMA` has `Simulation`'s interface);
+every local training and retraining is the engine's (`make_executor`: the strategies and
+compiled step loop every algorithm uses), one executor per network shape and frozen set,
+reused while widths stay the same.
+
+MLP and VGG, without normalisation and without PANs, as IBM's code: a PAN pins a neuron's
+encoding to its position, which matching reorders.
+
+Bytes counted per round: up, every client's matched layers (weights and biases) and head;
+down, the global model at the start, then each matched layer and the client's assignment
+(int32 per neuron).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from ml_collections.config_dict import placeholder
+
+from fedjax_pan import matching, models
+from fedjax_pan import permutation as perm_lib
+from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, tree_bytes,
+                                        weighted_sum)
+from fedjax_pan.rules import between
+
+PyTree = Any
+Variables = Dict[str, Any]
+
+OPTIONS = {"sigma": 1.0, "sigma0": 1.0, "mu0_bias": 0.1, "gamma": 7.0, "iterations": 5,
+           "retrain_epochs": placeholder(float)}
+RULES = {"sigma": between(0, lo_open=True), "sigma0": between(0, lo_open=True),
+         "mu0_bias": between(-100, 100), "gamma": between(0, lo_open=True),
+         "iterations": between(0, integer=True), "retrain_epochs": between(0, optional=True)}
+
+
+def freeze(tx: optax.GradientTransformation, frozen: Sequence[str]
+           ) -> optax.GradientTransformation:
+    """`tx` on every layer but those named in `frozen`, whose updates are zero."""
+    if not frozen:
+        return tx
+    frozen = frozenset(frozen)
+
+    def labels(params):
+        return {name: jax.tree_util.tree_map(lambda _: "frozen" if name in frozen else "train",
+                                             leaves) for name, leaves in params.items()}
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, labels)
+
+
+def local_training(model: nn.Module, tx: optax.GradientTransformation,
+                   frozen: Sequence[str] = (), warmup: str = "none",
+                   warmup_length: int = 0) -> FederatedAlgorithm:
+    """Each client trains its own model (its client state) with the layers in `frozen`
+    fixed and returns the trained model as its new state; it outputs nothing."""
+    tx = freeze(tx, frozen)
+
+    def client_init(server, client_state, ctx):
+        del server
+        return local_lib.init_local(tx, client_state, local_lib.round_lr_scale(
+            ctx.round, warmup, warmup_length))
+
+    def client_step(local, batch, server):
+        del server
+        return local_lib.sgd_step(model, tx, local, batch, warmup, warmup_length)
+
+    def client_output(local, server):
+        del server
+        return (), {"params": local.params, **local.model_state}
+
+    return FederatedAlgorithm(lambda v: None, lambda s: None, client_init, client_step,
+                              client_output, lambda s, a, i: s, lambda s: s, weighted_sum)
+
+
+# ----------------------------------------------------------------------------------------
+# Layers as neuron matrices, and the patching of the next layer's inputs.
+# ----------------------------------------------------------------------------------------
+
+def neuron_matrix(layer: Dict[str, np.ndarray]) -> np.ndarray:
+    """(L, D): one row per output neuron of a Dense or Conv layer (kernel (..., in, L)),
+    its incoming weights then its bias."""
+    kernel = np.asarray(layer["kernel"])
+    rows = np.moveaxis(kernel, -1, 0).reshape(kernel.shape[-1], -1)
+    return np.hstack([rows, np.asarray(layer["bias"])[:, None]])
+
+
+def from_neuron_matrix(rows: np.ndarray, kernel_shape: Tuple[int, ...]) -> Dict[str, Any]:
+    """Inverse of `neuron_matrix` for L = len(rows) neurons with kernel (..., in, *)."""
+    kernel = rows[:, :-1].reshape(len(rows), *kernel_shape[:-1])
+    return {"kernel": np.moveaxis(kernel, 0, -1).astype(np.float32),
+            "bias": rows[:, -1].astype(np.float32)}
+
+
+def _place(leaf: np.ndarray, axis: int, entry: Any, assign: np.ndarray, width: int
+           ) -> np.ndarray:
+    """`leaf` with its input axis (of the layer `assign` maps) widened to `width`: client
+    neuron i's slice moves to global position assign[i], other positions are zero."""
+    moved = np.moveaxis(np.asarray(leaf), axis, 0)
+    if isinstance(entry, perm_lib.Flat):  # (spatial, channels) flattened, channels fastest
+        blocks = moved.shape[0] // len(assign)
+        index = (np.arange(blocks)[:, None] * width + assign[None, :]).reshape(-1)
+        out = np.zeros((blocks * width, *moved.shape[1:]), moved.dtype)
+    else:
+        index = assign
+        out = np.zeros((width, *moved.shape[1:]), moved.dtype)
+    out[index] = moved
+    return np.moveaxis(out, 0, axis)
+
+
+def patch_inputs(spec: perm_lib.PermutationSpec, variables: Variables, name: str,
+                 assign: np.ndarray, width: int) -> Variables:
+    """`variables` with every input axis fed by layer `name` widened to its global `width`
+    by `assign` (the layer's own leaves are left to the caller)."""
+    out = jax.tree_util.tree_map(np.asarray, variables)
+    for path, axes in spec.axes.items():
+        if path[1] == name:
+            continue
+        for axis, entry in enumerate(axes):
+            target = entry.name if isinstance(entry, perm_lib.Flat) else entry
+            if target == name:
+                node = out
+                for key in path[:-1]:
+                    node = node[key]
+                node[path[-1]] = _place(node[path[-1]], axis, entry, assign, width)
+    return out
+
+
+def class_weighted_head(heads: Sequence[Dict[str, np.ndarray]], counts: np.ndarray
+                        ) -> Dict[str, np.ndarray]:
+    """The head averaged over clients, output c weighted by their counts of class c (a
+    class no client holds: uniformly)."""
+    counts = np.asarray(counts, np.float64)
+    totals = counts.sum(0, keepdims=True)
+    w = np.where(totals > 0, counts / np.where(totals > 0, totals, 1.0), 1.0 / len(heads))
+    kernel = np.einsum("mc,mfc->fc", w, np.stack([h["kernel"] for h in heads]))
+    bias = np.einsum("mc,mc->c", w, np.stack([h["bias"] for h in heads]))
+    return {"kernel": kernel.astype(np.float32), "bias": bias.astype(np.float32)}
+
+
+def check_model(model: nn.Module) -> None:
+    """Raises ValueError unless FedMA can match `model` (MLP / VGG, no norm, no PANs)."""
+    if not isinstance(model, (models.MLP, models.VGG)):
+        raise ValueError(f"FedMA matches MLP and VGG networks, not {type(model).__name__}")
+    if getattr(model, "grouped", None) is not None:
+        raise ValueError("FedMA cannot match grouped (Fed2) networks")
+    if model.norm != "none":
+        raise ValueError(f"FedMA matches networks without normalisation (IBM's models have "
+                         f"none); set model.norm='none', got {model.norm!r}")
+    if model.pan is not None:
+        raise ValueError("FedMA reorders neurons, which PANs pin to positions; set "
+                         "pan.amplitude=0")
+
+
+def network_for(model: nn.Module, variables: Variables) -> nn.Module:
+    """`model` resized to the widths of `variables` (a FedMA global model's)."""
+    return models.resized(model, {name: int(variables["params"][name]["kernel"].shape[-1])
+                                  for name in models.widths(model)})
+
+
+# ----------------------------------------------------------------------------------------
+# The driver.
+# ----------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class FedMA:
+    """FedMA rounds with `Simulation`'s interface (init, round, evaluation), for the engine.
+
+    `work` is the local training of step 1, `retrain` each retraining of step 2 (None:
+    no retraining, as one-shot matching).
+    """
+
+    model: nn.Module
+    client_tx: optax.GradientTransformation
+    data: Any  # engine.ClientData
+    work: Any  # engine.LocalWork
+    retrain: Any = None  # engine.LocalWork or None
+    participation: float = 1.0
+    seed: int = 0
+    strategy: str = "auto"
+    block_size: Optional[int] = None
+    sigma: float = 1.0
+    sigma0: float = 1.0
+    mu0_bias: float = 0.1
+    gamma: float = 7.0
+    iterations: int = 5
+    warmup: str = "none"
+    warmup_length: int = 0
+
+    # Checkpoints of a FedMA run hold networks whose widths grew: restore their shapes.
+    shapes_change = True
+
+    def __post_init__(self):
+        from fedjax_pan.engine.simulation import clients_per_round
+        check_model(self.model)
+        self.num_sampled = clients_per_round(self.participation, self.data.num_clients)
+        self.hidden = tuple(models.widths(self.model))
+        key = jax.random.PRNGKey(self.seed)
+        self._data_key, self._algo_key = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
+        self._executors: Dict[Any, Any] = {}
+
+    def init(self, variables: Variables):
+        from fedjax_pan.engine.simulation import SimState
+        return SimState(jax.tree_util.tree_map(np.asarray, dict(variables)), None, 0)
+
+    def sample(self, round_index: int) -> np.ndarray:
+        from fedjax_pan.engine.simulation import sample_clients
+        return sample_clients(self.seed, self.data.num_clients, self.num_sampled, round_index)
+
+    def evaluation(self, server: Variables) -> Tuple[nn.Module, Variables]:
+        """The global network (its grown widths) and its variables."""
+        return network_for(self.model, server), server
+
+    def _train(self, net: nn.Module, frozen: Tuple[str, ...], work: Any,
+               states: List[Variables], ids: np.ndarray, round_index: int, stage: int):
+        """Every client's model trained by `work` with `frozen` fixed: (models, metric sums,
+        computed rows)."""
+        from fedjax_pan.engine.clients import client_keys
+        from fedjax_pan.engine.execution import Cohort, make_executor
+        key = (net, frozen, work)
+        if key not in self._executors:
+            algorithm = local_training(net, self.client_tx, frozen, self.warmup,
+                                       self.warmup_length)
+            self._executors[key] = make_executor(self.strategy, algorithm, work, self.data,
+                                                 states[0], len(ids), self.block_size)
+        stacked = jax.tree_util.tree_map(lambda *x: jnp.asarray(np.stack(x)), *states)
+        steps = work.num_steps(self.data.sizes[ids])
+        # Stage 0 orders batches as every other algorithm's local training does.
+        data_key = self._data_key if stage == 0 else jax.random.fold_in(self._data_key, stage)
+        cohort = Cohort(ids, steps, np.ones(len(ids)), client_keys(data_key, round_index, ids),
+                        client_keys(self._algo_key, round_index, ids), stacked, round_index)
+        result = self._executors[key].run(None, cohort)
+        trained = jax.tree_util.tree_map(np.asarray, jax.device_get(result.client_states))
+        out = [jax.tree_util.tree_map(lambda x: x[m], trained) for m in range(len(ids))]
+        return out, jax.device_get(result.metrics), result.computed_examples
+
+    def round(self, state) -> Tuple[Any, Dict[str, float]]:
+        """Runs FedMA round `state.round`; returns the new state and the round's statistics."""
+        from fedjax_pan.engine.clients import real_examples
+        from fedjax_pan.engine.simulation import SimState
+        r = state.round
+        ids = self.sample(r)
+        m = len(ids)
+        server = state.server
+        net = network_for(self.model, server)
+        down = m * tree_bytes(server)
+        up = 0
+        clients, sums, computed = self._train(net, (), self.work, [server] * m, ids, r, 0)
+        real = real_examples(self.work, self.data.sizes[ids])
+        stats = {"train_loss": float(sums["loss_sum"]) / max(float(sums["num_examples"]), 1)}
+        retrain_loss = retrain_count = 0.0
+        matched: Dict[str, Any] = {}
+        for i, name in enumerate(self.hidden):
+            spec = perm_lib.spec_for(net, clients[0])
+            rows = [neuron_matrix(c["params"][name]) for c in clients]
+            mu0 = np.zeros(rows[0].shape[1])
+            mu0[-1] = self.mu0_bias
+            match = matching.bbp_map(rows, sigma=self.sigma, sigma0=self.sigma0, mu0=mu0,
+                                     gamma=self.gamma, iterations=self.iterations,
+                                     rng=np.random.default_rng([self.seed, r, i]))
+            width = len(match.weights)
+            matched[name] = from_neuron_matrix(match.weights,
+                                               clients[0]["params"][name]["kernel"].shape)
+            up += sum(4 * x.size for x in rows)
+            down += 4 * (m * match.weights.size + sum(len(a) for a in match.assignments))
+            clients = [patch_inputs(spec, c, name, a, width)
+                       for c, a in zip(clients, match.assignments)]
+            for c in clients:
+                c["params"][name] = dict(matched[name])
+            net = models.resized(net, {name: width})
+            if self.retrain is not None:
+                clients, sums, rows_computed = self._train(
+                    net, self.hidden[:i + 1], self.retrain, clients, ids, r, i + 1)
+                retrain_loss += float(sums["loss_sum"])
+                retrain_count += float(sums["num_examples"])
+                computed += rows_computed
+                real += real_examples(self.retrain, self.data.sizes[ids])
+        heads = [c["params"]["head"] for c in clients]
+        up += m * tree_bytes(heads[0])
+        counts = np.asarray(self.data.label_counts)[ids]
+        params = {**matched, "head": class_weighted_head(heads, counts)}
+        if retrain_count:
+            stats["train_retrain_loss"] = retrain_loss / retrain_count
+        stats.update(real_examples=real, computed_examples=computed, upload_bytes=float(up),
+                     download_bytes=float(down),
+                     **{f"train_width_{k}": float(v["kernel"].shape[-1])
+                        for k, v in matched.items()})
+        return SimState({"params": params}, None, r + 1), stats
+
+
+def from_config(model: nn.Module, cfg: Any, data: Any, work: Any) -> FedMA:
+    """The FedMA driver `cfg` describes (config.fedma, optimizer, local, execution)."""
+    from fedjax_pan.engine.clients import LocalWork
+    o = cfg.fedma
+    epochs = work.epochs if o.retrain_epochs is None else o.retrain_epochs
+    retrain = (None if epochs == 0 else
+               LocalWork(work.batch_size, epochs, work.mode, work.local_steps))
+    opt = cfg.optimizer
+    tx = local_lib.client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip)
+    return FedMA(model, tx, data, work, retrain, cfg.participation, cfg.seed,
+                 cfg.execution.strategy, cfg.execution.block_size, o.sigma, o.sigma0,
+                 o.mu0_bias, o.gamma, int(o.iterations), opt.warmup, opt.warmup_length)
+
+
+def _no_round(model, cfg, client_tx, server_tx):
+    raise ValueError("FedMA runs through its driver (`from_config`), not as one compiled "
+                     "federated round")
+
+
+ENTRY = AlgorithmEntry(_no_round, OPTIONS, RULES, driver=from_config)
