@@ -48,6 +48,8 @@ def get_config(preset: str = "vgg9_10x3") -> ml_collections.ConfigDict:
     nodes, classes = SETTINGS[setting]
     c = default_config()
     c.dataset.name = "cifar10"
+    # The authors' CIFAR pipeline: their normalisation constants, random crops and flips.
+    c.dataset.normalization, c.dataset.augment = "authors", "crop_flip"
     c.model.name = model
     c.model.options.grouped = None  # the plain network unless a variant groups it
     c.pan.update(PANS_ON)

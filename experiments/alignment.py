@@ -13,7 +13,10 @@ epochs from the global model (App. E), giving its local model. Two analyses (Sec
     class-c test samples; the fraction of neurons whose preferred class (argmax_c) agrees
     between global and local model.
 
-Layers: fc2 and fc3 (the MLP's `features` is fc3's output, so it is not repeated).
+Layers: fc2 and fc3 (the MLP's `features` is fc3's output, so it is not repeated) and, for
+the assignment, the head (FC4: its logits, Fig. 22). A neuron is represented by its
+post-PAN, pre-ReLU outputs, as the authors' code does (`pre_relu=False`: post-ReLU
+activations, whose silent neurons are interchangeable; `dead_neurons` counts them).
 The paper uses Mnist, H = 20, E = 20. Presets: paper (full data, H = 20, E = 20, all test
 samples for preferences), default (a 20,000-example subset, H = 5 rounds of E = 2, then 10
 local epochs for the analysed client), smoke (synthetic data, small MLP, K = 4).
@@ -46,7 +49,8 @@ class Settings:
     pan_on: Pan = common.PANS_ON
     num_samples: int = 500  # test samples representing a neuron (paper: 500)
     preference_samples: int = 2000  # test samples for the preference vectors
-    assignment_layers: Tuple[str, ...] = ("fc2", "fc3")
+    assignment_layers: Tuple[str, ...] = ("fc2", "fc3", "head")
+    pre_relu: bool = True  # the authors' neuron representation
     preference_layers: Tuple[str, ...] = ("fc2", "fc3")
     show_neurons: int = 64
 
@@ -90,8 +94,8 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
                "layer_width": {}, "dead_neurons": {}, "diagonal_ratio_live": {},
                "class_agreement_live": {}}
         for layer in s.assignment_layers:
-            reps_g = neuron_representations(exp.model, glob, x, layer)
-            reps_l = neuron_representations(exp.model, local, x, layer)
+            reps_g = neuron_representations(exp.model, glob, x, layer, pre_relu=s.pre_relu)
+            reps_l = neuron_representations(exp.model, local, x, layer, pre_relu=s.pre_relu)
             perm = optimal_assignment(reps_g, reps_l)
             ratio = diagonal_ratio(perm)
             # Neurons silent on every sample in both models are interchangeable for the
@@ -128,6 +132,7 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
     common.write_json(ctx.path("alignment.json"), {
         "setup": s.setup, "local_epochs": s.local_epochs if s.local_epochs is not None
         else s.setup.epochs, "num_samples": s.num_samples,
+        "representation": "post-PAN pre-ReLU" if s.pre_relu else "post-ReLU",
         "preference_samples": s.preference_samples, "results": results})
     lines = [f"alignment of global vs local model (alpha={s.setup.alpha:g}, "
              f"H={s.setup.rounds}, local E={s.local_epochs or s.setup.epochs:g}), off -> on:"]

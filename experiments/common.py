@@ -251,8 +251,10 @@ def load_data(name: str, seed: int = 0, train_limit: Optional[int] = None,
     else:
         ds = data_lib.subset(data_lib.load(name), train_limit, test_limit, seed)
 
+    stats = data_lib.normalization(ds)
+
     def normalized(x: np.ndarray) -> np.ndarray:
-        x = data_lib.normalize(x, name) if name in data_lib.NORMALIZATION else x
+        x = data_lib.normalize(x, stats) if stats is not None else x
         return np.asarray(x, np.float32)
 
     return ArrayData(name, normalized(ds.train_images), ds.train_labels,

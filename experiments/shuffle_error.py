@@ -14,6 +14,10 @@ Reported honestly: at this init on N(0, 1) inputs PAN+ can give a larger absolut
 than PANx on MLP/VGG13, while PANx grows faster (superlinearly) in A; `growth` is
 err(A_max) / err(A_min) at T = 1 against the linear expectation A_max / A_min.
 
+ResNet20 is shuffled block by block, its identity shortcuts written as explicit identity
+1x1 convs (the authors' way; `models.explicit_shortcuts`); drop the option from its
+`ModelSpec` to shuffle one residual stream per stage instead.
+
 Presets: paper (full models, 64 inputs, 3 permutation draws, finer grids), default (full
 models, 16 inputs, 1 draw), smoke (reduced widths, 4 inputs, 2x2 grids).
 Outputs: shuffle_error.csv, shuffle_error.json, shuffle_error_<model>.png.
@@ -48,7 +52,8 @@ class ModelSpec:
 class Settings:
     models: Tuple[ModelSpec, ...] = (ModelSpec("mlp", (28, 28, 1)),
                                      ModelSpec("vgg13", (32, 32, 3)),
-                                     ModelSpec("resnet20", (32, 32, 3)))
+                                     ModelSpec("resnet20", (32, 32, 3),
+                                               (("explicit_shortcuts", True),)))
     add_amplitudes: Tuple[float, ...] = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25)
     mul_amplitudes: Tuple[float, ...] = (0.0, 0.15, 0.3, 0.45, 0.6, 0.75)
     periods: Tuple[float, ...] = (0.0, 1.0, 2.0, 4.0, 8.0)
@@ -68,7 +73,8 @@ PRESETS = MappingProxyType({
                               ModelSpec("vgg13", (16, 16, 3), (("width", 0.125),)),
                               ModelSpec("resnet20", (16, 16, 3),
                                         (("widths", (8, 16, 32)), ("stem_width", 8),
-                                         ("blocks_per_stage", 1)))),
+                                         ("blocks_per_stage", 2),
+                                         ("explicit_shortcuts", True)))),
                       add_amplitudes=(0.0, 0.25), mul_amplitudes=(0.0, 0.75),
                       periods=(0.0, 1.0), num_inputs=4),
 })

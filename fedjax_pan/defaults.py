@@ -4,6 +4,8 @@ Unset optional values are typed placeholders (None) so they can still be set fro
 command line, e.g. `--config.partition.min_size=10`.
 """
 
+import copy
+
 import ml_collections
 from ml_collections.config_dict import placeholder
 
@@ -17,9 +19,13 @@ def default_config() -> ml_collections.ConfigDict:
     c.rounds = 40
     c.participation = 0.1  # R
     c.algorithm = "fedavg"
+    # augment: 'crop_flip' = random 4-pixel-padded crops and horizontal flips of training
+    # batches (the CIFAR pipeline); normalization: 'standard' (each dataset's statistics)
+    # or 'authors' (the PAN authors' CIFAR constants).
     c.dataset = ml_collections.ConfigDict({"name": "fashion_mnist",
                                            "data_dir": placeholder(str),
-                                           "train_limit": placeholder(int)})
+                                           "train_limit": placeholder(int),
+                                           "augment": "none", "normalization": "standard"})
     c.model = ml_collections.ConfigDict({"name": "mlp", "norm": placeholder(str),
                                          "options": {}})
     c.pan = ml_collections.ConfigDict({"kind": "mul", "period": 1.0, "amplitude": 0.1,
@@ -50,6 +56,7 @@ def default_config() -> ml_collections.ConfigDict:
     # Each algorithm's own options, e.g. config.fedprox.mu (see algorithms/registry.py).
     for name, entry in ALGORITHMS.items():
         if entry.options:
-            c[name] = ml_collections.ConfigDict(entry.options)
+            # A copy: placeholders are mutable references, never shared between configs.
+            c[name] = ml_collections.ConfigDict(copy.deepcopy(entry.options))
     c.variants = ml_collections.ConfigDict()
     return c

@@ -25,7 +25,7 @@ from fedjax_pan import algorithms, models, permutation, schema
 from fedjax_pan import data as data_lib
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.algorithms.shuffle import with_shuffling
-from fedjax_pan.engine import (ClientData, LocalWork, Simulation, count_compiles,
+from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, count_compiles,
                                make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.simulation import SimState
 from fedjax_pan.errors import ConfigError, Interrupted, TrainingDiverged, WorkdirError
@@ -93,16 +93,35 @@ def _normalized(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset,
                 cache: Optional[Dict[Any, Any]]) -> Any:
     """Normalised float32 train and test images on the device, shared through `cache` by
     every variant on the same data (a sweep holds one copy, not one per run)."""
-    key = ("normalized", *_data_key(cfg))
+    key = ("normalized", cfg.dataset.normalization, *_data_key(cfg))
     if cache is not None and key in cache:
         return cache[key]
-    stats = data_lib.NORMALIZATION.get(ds.name)
+    stats = _stats(cfg, ds)
     train_x = ds.train_images if stats is None else data_lib.normalize(ds.train_images, stats)
     test_x = ds.test_images if stats is None else data_lib.normalize(ds.test_images, stats)
     arrays = (jnp.asarray(train_x, jnp.float32), jnp.asarray(test_x, jnp.float32))
     if cache is not None:
         cache[key] = arrays
     return arrays
+
+
+def _stats(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset) -> Optional[Any]:
+    """The (mean, std) normalising `ds` under `config.dataset.normalization`."""
+    if cfg.dataset.normalization == "authors":
+        _check(ds.name in data_lib.AUTHORS_NORMALIZATION,
+               f"config.dataset.normalization='authors' has constants for "
+               f"{', '.join(data_lib.AUTHORS_NORMALIZATION)}, not {ds.name!r}")
+        return data_lib.AUTHORS_NORMALIZATION[ds.name]
+    return data_lib.normalization(ds)
+
+
+def _augment(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset) -> Optional[Augment]:
+    """`config.dataset.augment` as the engine's `Augment` (padding is black, normalised)."""
+    if cfg.dataset.augment == "none":
+        return None
+    stats = _stats(cfg, ds)
+    fill = (0.0,) if stats is None else tuple(-m / s for m, s in zip(*stats))
+    return Augment(pad=4, flip=True, fill=fill)
 
 
 def _check_shuffleable(algorithm: Any, variables: Any, num_classes: int, name: str) -> None:
@@ -125,6 +144,16 @@ def build(cfg: ml_collections.ConfigDict,
     validate(cfg)
     ds = _load_dataset(cfg, cache)
     p = cfg.partition
+    if p.scheme == "natural":
+        # The data decide the clients (FEMNIST: its sampled writers); say how many there are.
+        _check(ds.train_groups is not None,
+               f"config.partition.scheme='natural' needs natural clients, which dataset "
+               f"{ds.name!r} does not have")
+        groups = len(np.unique(ds.train_groups))
+        _check(p.num_clients == groups,
+               f"config.partition.num_clients={p.num_clients}, but partition.scheme='natural' "
+               f"makes one client per writer (natural group) and this {ds.name} training "
+               f"data has {groups}: set --config.partition.num_clients={groups}")
     _check(p.num_clients <= ds.num_train,
            f"config.partition.num_clients={p.num_clients} exceeds the {ds.num_train} "
            "training examples")
@@ -132,7 +161,7 @@ def build(cfg: ml_collections.ConfigDict,
         parts = data_lib.partition(ds.train_labels, p.num_clients, p.scheme, cfg.seed,
                                    alpha=p.alpha, classes_per_client=p.classes_per_client,
                                    min_size=p.min_size, balance=p.balance,
-                                   num_classes=ds.num_classes)
+                                   num_classes=ds.num_classes, groups=ds.train_groups)
     except ValueError as e:
         raise ConfigError(f"partition: {e}") from None
     pan = None if not cfg.pan.amplitude else cfg.pan.to_dict()
@@ -145,7 +174,7 @@ def build(cfg: ml_collections.ConfigDict,
     train_x, test_x = _normalized(cfg, ds, cache)
     client_data = ClientData.create(train_x, ds.train_labels, parts, ds.num_classes)
     work = LocalWork(cfg.local.batch_size, cfg.local.epochs, cfg.local.mode,
-                     cfg.local.local_steps)
+                     cfg.local.local_steps, _augment(cfg, ds))
     evaluate = make_evaluator(model, test_x, ds.test_labels, cfg.eval.batch_size,
                               ds.num_classes)
     driver = algorithms.ALGORITHMS[cfg.algorithm].driver

@@ -15,7 +15,9 @@ Architectures (parameter names of `fedjax_pan.models`):
            last conv's channel permutation onto the flattened (H, W, C) axis ('flat' axes);
   resnet   one permutation per stage for the residual stream (stem, every block's conv2 and
            projection shortcut of that stage, so residual sums stay consistent) and one for
-           the inner channels of every block (its conv1);
+           the inner channels of every block (its conv1); with explicit identity shortcuts
+           (`models.explicit_shortcuts`, the PAN authors' way) one per block output instead,
+           the identity kernels carrying the change between blocks;
   mobilenet  one per stem and pointwise conv; a depthwise conv follows its input's.
 With GroupNorm, a permutation must keep every channel inside its group, so `groups[name]`
 records the constraint and the random generators shuffle within groups.
@@ -206,22 +208,25 @@ def spec_for(model: Any, variables: Mapping[str, Any]) -> PermutationSpec:
     convs, fcs = _numbered(params, "conv"), _numbered(params, "fc")
     if "stem" in params:  # ResNet
         stages = sorted({int(k[5:k.index("_")]) for k in params if k.startswith("stage")})
-        stream: Axis = None
-        b.layer("stem", None, "res1")
-        stream = "res1"
+        per_block = any(k.endswith("_identity") for k in params)
+        stream: Axis = "stem" if per_block else "res1"
+        b.layer("stem", None, stream)
         for s in stages:
             blocks = sorted({int(k.split("_")[1][5:]) for k in params
                              if k.startswith(f"stage{s}_block")})
             for blk in blocks:
                 name = f"stage{s}_block{blk}"
-                inner = f"{name}_inner"
+                inner, out = f"{name}_inner", f"{name}_out" if per_block else f"res{s}"
                 b.layer(f"{name}_conv1", stream, inner)
                 if f"{name}_shortcut" in params:
-                    b.layer(f"{name}_shortcut", stream, f"res{s}")
-                elif stream != f"res{s}":
-                    raise ValueError(f"{name} changes stage without a projection shortcut")
-                b.layer(f"{name}_conv2", inner, f"res{s}")
-                stream = f"res{s}"
+                    b.layer(f"{name}_shortcut", stream, out)
+                elif f"{name}_identity" in params:
+                    b.layer(f"{name}_identity", stream, out)
+                elif stream != out:
+                    raise ValueError(f"{name} changes its stream's channels without a "
+                                     "projection or explicit identity shortcut")
+                b.layer(f"{name}_conv2", inner, out)
+                stream = out
         b.layer("head", stream, None)
         return b.spec()
     prev: Axis = None

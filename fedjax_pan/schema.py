@@ -19,8 +19,8 @@ from fedjax_pan.algorithms.fedavg import BN_MODES
 from fedjax_pan.algorithms.local import WARMUPS
 from fedjax_pan.algorithms.registry import AGGREGATION_RULES, ALGORITHMS, SERVER_OPTIMIZERS
 from fedjax_pan.data.partition import SCHEMES
-from fedjax_pan.data.sources import DATASETS
-from fedjax_pan.engine.clients import STEP_MODES
+from fedjax_pan.data.sources import DATASETS, GROUPED_DATASETS, NORMALIZATIONS
+from fedjax_pan.engine.clients import AUGMENTS, STEP_MODES
 from fedjax_pan.engine.execution import STRATEGIES
 from fedjax_pan.engine.simulation import AGGREGATIONS
 from fedjax_pan.errors import ConfigError
@@ -49,6 +49,8 @@ RULES: Dict[str, Rule] = {
     "dataset.name": one_of(DATASETS + ("synthetic",)),
     "dataset.data_dir": Rule(directory, optional=True),
     "dataset.train_limit": between(1, integer=True, optional=True),
+    "dataset.augment": one_of(AUGMENTS),
+    "dataset.normalization": one_of(NORMALIZATIONS),
     "model.name": one_of(models.NAMES),
     "model.norm": Rule(_norm, optional=True),
     "pan.kind": one_of(KINDS),
@@ -150,6 +152,10 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
          f"config.partition.alpha must be set for partition.scheme={p.scheme!r}")
     need(p.scheme != "pathological" or p.classes_per_client is not None,
          "config.partition.classes_per_client must be set for partition.scheme='pathological'")
+    # 'natural' needs the data's own groups; num_clients is checked against them in build.
+    need(p.scheme != "natural" or cfg.dataset.name in GROUPED_DATASETS,
+         f"config.partition.scheme='natural' needs a dataset with natural clients "
+         f"({', '.join(GROUPED_DATASETS)}), got dataset.name={cfg.dataset.name!r}")
     need(cfg.local.mode != "steps" or cfg.local.local_steps is not None,
          "config.local.local_steps must be set for local.mode='steps'")
     for name, overrides in (cfg.get("variants") or {}).items():

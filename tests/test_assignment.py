@@ -75,9 +75,28 @@ def test_mlp_representations_match_numpy(mlp):
     model, variables, x = mlp
     p = variables["params"]
     h = np.maximum(x.reshape(len(x), -1) @ p["fc1"]["kernel"] + p["fc1"]["bias"], 0.0)
-    reps = neuron_representations(model, variables, x, "fc1", batch_size=64)
+    reps = neuron_representations(model, variables, x, "fc1", batch_size=64, pre_relu=False)
     assert reps.shape == (32, len(x)) and reps.dtype == np.float64
     np.testing.assert_allclose(reps, h.T, rtol=1e-4, atol=1e-5)
+
+
+def test_pre_relu_representations_are_post_pan_and_the_head_is_the_logits(mlp):
+    """The authors' representation: (x W + b) * e with the PAN encoding e (paper Eq. 4,
+    e_j = 1 + A sin(2 pi T j / J)), negatives kept; 'head' gives the logits (Fig. 22)."""
+    _, variables, x = mlp
+    model = models.build("mlp", 10, hidden=[32, 32], pan={"kind": "mul", "period": 1.0,
+                                                          "amplitude": 0.3})
+    p = variables["params"]
+    enc = 1 + 0.3 * np.sin(2 * np.pi * np.arange(32) / 32)
+    pre1 = (x.reshape(len(x), -1) @ p["fc1"]["kernel"] + p["fc1"]["bias"]) * enc
+    reps = neuron_representations(model, variables, x, "fc1", batch_size=64)
+    np.testing.assert_allclose(reps, pre1.T, rtol=1e-4, atol=1e-5)
+    assert (reps < 0).any()
+    post = neuron_representations(model, variables, x, "fc1", pre_relu=False)
+    np.testing.assert_allclose(post, np.maximum(pre1, 0).T, rtol=1e-4, atol=1e-5)
+    head = neuron_representations(model, variables, x, "head")
+    np.testing.assert_allclose(head, np.asarray(model.apply(variables, x)).T, rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_conv_representations_are_spatial_max(vgg):
@@ -87,7 +106,7 @@ def test_conv_representations_are_spatial_max(vgg):
     h, w = x.shape[1:3]
     conv = sum(xp[:, dy:dy + h, dx:dx + w, :] @ k[dy, dx] for dy in range(3) for dx in range(3))
     expected = np.maximum(conv + b, 0.0).max(axis=(1, 2)).T
-    reps = neuron_representations(model, variables, x, "conv1")
+    reps = neuron_representations(model, variables, x, "conv1", pre_relu=False)
     np.testing.assert_allclose(reps, expected, rtol=1e-4, atol=1e-5)
 
 

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from conftest import tiny_clients
-from fedjax_pan.engine.clients import (ClientData, LocalWork, epoch_order, make_batch,
-                                       real_examples, step_rows, tail_rows)
+from fedjax_pan.engine.clients import (Augment, ClientData, LocalWork, augment_batch,
+                                       epoch_order, make_batch, real_examples, step_rows,
+                                       tail_rows)
 
 
 @pytest.mark.parametrize("mode,epochs,steps,sizes,want", [
@@ -99,3 +100,30 @@ def test_client_data_rejects_empty_clients():
     with pytest.raises(ValueError, match="at least one"):
         ClientData.create(np.zeros((3, 2, 2, 1)), np.zeros(3, np.int32),
                           [np.array([0, 1]), np.array([], np.int64)])
+
+
+def test_crop_and_flip_are_windows_of_the_padded_image():
+    """Every augmented example is one of the (2p+1)^2 windows of its image padded with
+    `fill`, flipped or not; crops and flips vary over examples; a batch's first rows do not
+    depend on how many rows it has; the same key gives the same batch."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(24, 6, 5, 2)).astype(np.float32)
+    aug = Augment(pad=2, flip=True, fill=(-1.5, 7.0))
+    key = jax.random.PRNGKey(3)
+    out = np.asarray(augment_batch(jnp.asarray(x), key, aug))
+    padded = np.empty((24, 10, 9, 2), np.float32)
+    padded[...] = np.asarray(aug.fill, np.float32)
+    padded[:, 2:8, 2:7] = x
+    found = []
+    for i in range(24):
+        hits = [(dy, dx, f) for dy in range(5) for dx in range(5) for f in (False, True)
+                if np.array_equal(out[i], (lambda w: w[:, ::-1] if f else w)(
+                    padded[i, dy:dy + 6, dx:dx + 5]))]
+        assert hits, i
+        found.append(hits[0])
+    assert len({(dy, dx) for dy, dx, _ in found}) > 5 and {f for *_, f in found} == {False, True}
+    np.testing.assert_array_equal(
+        np.asarray(augment_batch(jnp.asarray(x[:10]), key, aug)), out[:10])
+    np.testing.assert_array_equal(np.asarray(augment_batch(jnp.asarray(x), key, aug)), out)
+    plain = np.asarray(augment_batch(jnp.asarray(x), key, Augment(pad=0, flip=False)))
+    np.testing.assert_array_equal(plain, x)

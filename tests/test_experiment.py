@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 
+import numpy as np
 import pytest
 
 from conftest import ROOT
@@ -64,6 +65,9 @@ def test_resume_refuses_a_different_config(tmp_path):
     (dict(dataset__name="imagenet"), "imagenet"), (dict(execution__strategy="gpu"), "gpu"),
     (dict(partition__scheme="shards"), "shards"), (dict(local__batch_size=0), "batch_size"),
     (dict(pan__kind="pow"), "pow"), (dict(model__norm="layer"), "layer"),
+    (dict(dataset__augment="mixup"), "mixup"),
+    (dict(dataset__normalization="authors"), "normalization='authors' has constants for "
+                                             "cifar10, cifar100, not 'synthetic'"),
 ])
 def test_bad_configs_fail_before_touching_the_workdir(tmp_path, changes, match):
     workdir = tmp_path / "w"
@@ -275,3 +279,23 @@ def test_stateful_algorithms_resume_exactly(tmp_path, algorithm):
     experiment.train(config(**{**cfg, "rounds": 2}), part, progress=False)
     experiment.train(config(**cfg), part, resume=True, progress=False)
     assert metrics(part) == metrics(full) and len(metrics(full)) == 4
+
+
+def test_augmentation_and_normalisation_settings_reach_the_engine():
+    """crop_flip pads with black as normalised ('authors' constants on CIFAR-10: -mean/std
+    per channel); 'none' leaves batches alone; an augmented run trains differently."""
+    from fedjax_pan import data as data_lib
+    cfg = config(dataset__augment="crop_flip")
+    exp = experiment.build(cfg)
+    assert exp.simulation.work.augment == experiment.Augment(4, True, (0.0,))  # unnormalised
+    cifar = config(dataset__augment="crop_flip", dataset__normalization="authors")
+    images, labels = np.zeros((2, 32, 32, 3), np.uint8), np.zeros(2, np.int32)
+    fake = data_lib.Dataset("cifar10", images, labels, images, labels, num_classes=10)
+    (mean, std) = data_lib.AUTHORS_NORMALIZATION["cifar10"]
+    assert experiment._augment(cifar, fake).fill == tuple(-m / s for m, s in zip(mean, std))
+    assert experiment._stats(cifar, fake)[1] == (0.2023, 0.1994, 0.2010)
+    plain = experiment.build(config())
+    assert plain.simulation.work.augment is None
+    states = [e.simulation.round(e.simulation.init(e.variables))[0] for e in (exp, plain)]
+    a, b = (s.server.params["fc1"]["kernel"] for s in states)
+    assert float(abs(a - b).max()) > 1e-6  # far above float noise (round 1 warms up: lr/10)

@@ -129,12 +129,15 @@ def test_alignment(runs):
     results = _json(os.path.join(d, "alignment.json"))["results"]
     for side in ("off", "on"):
         res = results[side]
-        assert set(res["diagonal_ratio"]) == {"fc2", "fc3"}
+        # fc2, fc3 and the head (FC4, Fig. 22), represented pre-ReLU (no silent neurons).
+        assert set(res["diagonal_ratio"]) == {"fc2", "fc3", "head"}
+        assert res["layer_width"]["head"] == 10 and res["dead_neurons"]["fc3"] == 0
         values = [*res["diagonal_ratio"].values(), *res["class_agreement"].values()]
         assert _finite(values) and all(0.0 <= v <= 1.0 for v in values)
         for layer in ("fc2", "fc3"):
             for fig in ("fig7_assignment", "fig8_preferences"):
                 assert os.path.getsize(os.path.join(d, f"{fig}_{layer}_{side}.png")) > 0
+    assert _json(os.path.join(d, "alignment.json"))["representation"] == "post-PAN pre-ReLU"
 
 
 def test_sharing_depth(runs):

@@ -252,6 +252,30 @@ def test_bad_labels(labels, needle):
         partition(labels, 1, "iid", 0)
 
 
+def test_natural_one_client_per_group():
+    labels = np.array([0, 1, 1, 2, 0, 2, 1, 0])
+    groups = np.array([7, 3, 7, 5, 3, 7, 5, 3])
+    parts = partition(labels, 3, "natural", 0, groups=groups)
+    # Clients in ascending group order (3, 5, 7), each holding exactly its group's indices.
+    expected = [[1, 4, 7], [3, 6], [0, 2, 5]]
+    assert [p.tolist() for p in parts] == expected
+    assert all(p.dtype == np.int64 for p in parts)
+    _assert_valid(parts, len(labels))
+    again = partition(labels, 3, "natural", 99, groups=list(groups), balance=True, alpha=0.1)
+    assert [p.tolist() for p in again] == expected  # seed and other options do not apply
+
+
+@pytest.mark.parametrize("groups,k,needle", [
+    (None, 3, "needs groups"),
+    (np.array([0, 1, 2]), 3, "shape (8,)"),
+    (np.array([0.0, 1.0] * 4), 2, "integers"),
+    (np.array([7, 3, 7, 5, 3, 7, 5, 3]), 4, "3 distinct values, so num_clients must be 3"),
+])
+def test_natural_bad_groups(groups, k, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        partition(np.array([0, 1, 1, 2, 0, 2, 1, 0]), k, "natural", 0, groups=groups)
+
+
 def test_client_label_counts_small_example():
     labels = np.array([0, 1, 1, 2, 0, 2, 2, 1])
     parts = [np.array([0, 1, 2]), np.array([3, 5, 6]), np.array([4, 7])]

@@ -125,6 +125,39 @@ def test_spec_structure_of_vgg9_and_resnet20():
     assert spec.sizes["res3"] == 64 and len(spec.sizes) == 3 + 9
 
 
+@pytest.mark.parametrize("norm", ["batch", "none"])
+def test_resnet_with_explicit_shortcuts_is_permuted_block_by_block(norm):
+    """Identity shortcuts as explicit identity 1x1 convs compute the same function; each
+    block's output then has its own permutation, the identity kernels carry the change
+    between blocks (becoming permutation matrices), and the network is still invariant."""
+    model, variables = _model("resnet20", norm)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(4, 32, 32, 3)), jnp.float32)
+    explicit, ev = models.explicit_shortcuts(model, variables)
+    out = np.asarray(model.apply(variables, x))
+    np.testing.assert_allclose(np.asarray(explicit.apply(ev, x)), out, rtol=1e-5, atol=1e-6)
+    # A freshly initialised explicit model starts from identities too.
+    fresh = models.init(models.build("resnet20", 10, norm=norm, explicit_shortcuts=True,
+                                     **SMALL["resnet20"]), jax.random.PRNGKey(0), (32, 32, 3))
+    np.testing.assert_array_equal(fresh["params"]["stage1_block2_identity"]["kernel"][0, 0],
+                                  np.eye(16))
+    spec = P.spec_for(explicit, ev)
+    # stem + 9 block outputs + 9 inner: no stage-wide stream permutations.
+    assert len(spec.sizes) == 19 and "res1" not in spec.sizes
+    assert spec.axes[("params", "stage1_block2_identity", "kernel")] == (
+        None, None, "stage1_block1_out", "stage1_block2_out")
+    assert spec.axes[("params", "stage2_block1_shortcut", "kernel")][2:] == (
+        "stage1_block3_out", "stage2_block1_out")
+    perms = P.random_permutations(spec, np.random.default_rng(1), p_sf=1.0)
+    permuted = P.apply_permutation(spec, perms, ev)
+    out_sf = np.asarray(explicit.apply(permuted, x))
+    assert np.max(np.abs(out_sf - out)) <= 1e-5 * np.max(np.abs(out))
+    k = permuted["params"]["stage1_block2_identity"]["kernel"][0, 0]
+    assert sorted(k.sum(0)) == sorted(k.sum(1)) == [1.0] * 16 and not np.array_equal(
+        k, np.eye(16))
+    np.testing.assert_array_equal(
+        k, np.eye(16)[perms["stage1_block1_out"]][:, perms["stage1_block2_out"]])
+
+
 def test_group_norm_permutations_stay_within_groups():
     model, variables = _model("mlp", "group(4)")
     spec = P.spec_for(model, variables)

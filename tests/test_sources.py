@@ -327,6 +327,42 @@ def test_dataset_validation():
             dataclasses.replace(ds, **change)
 
 
+def test_dataset_train_groups_and_subset():
+    rng = np.random.default_rng(0)
+    images = np.arange(10, dtype=np.uint8).reshape(10, 1, 1, 1)
+    labels = rng.integers(0, 3, 10).astype(np.int32)
+    groups = np.array([0, 0, 1, 1, 1, 2, 2, 2, 2, 3], np.int32)
+    ds = sources.Dataset("t", images, labels, images[:2], labels[:2], num_classes=3,
+                         train_groups=groups, stats=((0.5,), (0.25,)))
+    for bad in (groups.astype(np.int64), groups[:-1], groups - 1):
+        with pytest.raises(ValueError, match="train_groups"):
+            dataclasses.replace(ds, train_groups=bad)
+    small = sources.subset(ds, train_limit=6, seed=3)
+    # Pixel i marks example i: the kept groups are those of the kept examples.
+    kept = small.train_images.reshape(-1)
+    assert len(kept) == 6 and np.all(np.diff(kept) > 0)
+    np.testing.assert_array_equal(small.train_groups, groups[kept])
+    np.testing.assert_array_equal(small.train_labels, labels[kept])
+    assert small.stats == ds.stats and sources.normalization(small) == ((0.5,), (0.25,))
+    assert sources.subset(ds, train_limit=20).train_groups is groups
+    plain = sources.Dataset("cifar10", images, labels, images, labels, num_classes=3)
+    assert sources.subset(plain, train_limit=4).train_groups is None
+    assert sources.normalization(plain) == sources.NORMALIZATION["cifar10"]
+    assert sources.normalization(sources.synthetic(10, 2)) is None
+
+
+def test_channel_stats_matches_numpy():
+    x = np.random.default_rng(0).integers(0, 256, (7, 5, 4, 3), dtype=np.uint8)
+    mean, std = sources.channel_stats(x)
+    np.testing.assert_allclose(mean, (x / 255).mean(axis=(0, 1, 2)), rtol=1e-12)
+    np.testing.assert_allclose(std, (x / 255).std(axis=(0, 1, 2)), rtol=1e-12)
+    assert sources.channel_stats(np.full((2, 2, 2, 1), 255, np.uint8)) == ((1.0,), (0.0,))
+    with pytest.raises(ValueError, match="uint8"):
+        sources.channel_stats(x.astype(np.float32))
+    with pytest.raises(ValueError, match="computed at load time"):
+        sources.normalize(x[..., :1], "femnist")
+
+
 # --- normalize ------------------------------------------------------------------------
 
 
@@ -362,7 +398,11 @@ def test_normalize_jax_and_passthrough():
 
 def test_normalization_table():
     assert set(sources.NORMALIZATION) == {"fashion_mnist", "mnist", "emnist", "cifar10", "cifar100",
-                                          "svhn_cropped"}
+                                          "svhn_cropped", "cinic10", "gtsrb"}
+    assert sources.DATASETS == (*sources.NORMALIZATION, "femnist")
+    assert sources.GROUPED_DATASETS == ("femnist",)
+    assert sources.NORMALIZATION["cinic10"] == ((0.47889522, 0.47227842, 0.43047404),
+                                                (0.24205776, 0.23828046, 0.25874835))
     for mean, std in sources.NORMALIZATION.values():
         assert len(mean) == len(std) in (1, 3)
         assert all(0 < v < 1 for v in (*mean, *std))

@@ -313,7 +313,7 @@ def from_config(model: nn.Module, cfg: Any, data: Any, work: Any) -> FedMA:
     o = cfg.fedma
     epochs = work.epochs if o.retrain_epochs is None else o.retrain_epochs
     retrain = (None if epochs == 0 else
-               LocalWork(work.batch_size, epochs, work.mode, work.local_steps))
+               LocalWork(work.batch_size, epochs, work.mode, work.local_steps, work.augment))
     opt = cfg.optimizer
     tx = local_lib.client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip)
     return FedMA(model, tx, data, work, retrain, cfg.participation, cfg.seed,

@@ -20,11 +20,14 @@ from fedjax_pan import models
 
 
 def neuron_representations(model: nn.Module, variables: Mapping[str, Any], x: Any,
-                           layer: str, batch_size: Optional[int] = None) -> np.ndarray:
-    """Activations of `layer` on inputs x as a (J, N) float64 array (one row per neuron).
+                           layer: str, batch_size: Optional[int] = None,
+                           pre_relu: bool = True) -> np.ndarray:
+    """Outputs of `layer` on inputs x as a (J, N) float64 array (one row per neuron).
 
-    Conv activations (N, H, W, C) are reduced to their spatial max per channel (SPEC 5).
-    `batch_size` bounds memory; None feeds all of x at once. Eval mode (train=False).
+    pre_relu: post-PAN, pre-ReLU outputs (the PAN authors' representation; `layer` may
+    also be 'head', the logits: Fig. 22's FC4), else post-ReLU activations. Conv outputs
+    (N, H, W, C) are reduced to their spatial max per channel (SPEC 5). `batch_size`
+    bounds memory; None feeds all of x at once. Eval mode (train=False).
     """
     x = np.asarray(x)
     if not len(x):
@@ -32,7 +35,8 @@ def neuron_representations(model: nn.Module, variables: Mapping[str, Any], x: An
     step = len(x) if not batch_size else int(batch_size)
     chunks = []
     for start in range(0, len(x), max(step, 1)):
-        _, inter = models.apply_with_intermediates(model, variables, x[start:start + step])
+        _, inter = models.apply_with_intermediates(model, variables, x[start:start + step],
+                                                   pre_relu=pre_relu)
         if layer not in inter:
             raise KeyError(f"layer {layer!r} not sown; available: {sorted(inter)}")
         act = np.asarray(inter[layer], np.float64)
@@ -89,10 +93,13 @@ def diagonal_ratio(perm: Any) -> float:
 
 def match_layer(model: nn.Module, variables_a: Mapping[str, Any],
                 variables_b: Mapping[str, Any], x: Any, layer: str,
-                batch_size: Optional[int] = None) -> Tuple[np.ndarray, float]:
-    """(perm, diagonal_ratio) matching `layer`'s neurons of model A (e.g. global) to B (local)."""
-    perm = optimal_assignment(neuron_representations(model, variables_a, x, layer, batch_size),
-                              neuron_representations(model, variables_b, x, layer, batch_size))
+                batch_size: Optional[int] = None, pre_relu: bool = True
+                ) -> Tuple[np.ndarray, float]:
+    """(perm, diagonal_ratio) matching `layer`'s neurons of model A (e.g. global) to B
+    (local), represented as `neuron_representations` says."""
+    reps = [neuron_representations(model, v, x, layer, batch_size, pre_relu)
+            for v in (variables_a, variables_b)]
+    perm = optimal_assignment(*reps)
     return perm, diagonal_ratio(perm)
 
 

@@ -2,11 +2,15 @@
 
 from fedjax_pan.data.partition import (SCHEMES, PartitionError, client_label_counts,
                                        partition, plot_label_distribution, stats_table)
-from fedjax_pan.data.sources import (DATASETS, NORMALIZATION, Dataset, DataError, load,
-                                     normalize, read_idx, subset, synthetic)
+from fedjax_pan.data.sources import (AUTHORS_NORMALIZATION, DATASETS, GROUPED_DATASETS,
+                                     NORMALIZATION, Dataset,
+                                     DataError, channel_stats, load, normalization, normalize,
+                                     read_idx, subset, synthetic)
+from fedjax_pan.data.files import cinic10, femnist, gtsrb
 
 __all__ = [
-    "DATASETS", "SCHEMES", "PartitionError", "Dataset", "DataError", "NORMALIZATION", "load",
-    "normalize", "read_idx", "subset", "synthetic", "partition", "client_label_counts",
-    "stats_table", "plot_label_distribution",
+    "DATASETS", "GROUPED_DATASETS", "SCHEMES", "PartitionError", "Dataset", "DataError",
+    "NORMALIZATION", "AUTHORS_NORMALIZATION", "load", "normalize", "normalization", "channel_stats", "read_idx",
+    "subset", "synthetic", "partition", "client_label_counts", "stats_table",
+    "plot_label_distribution", "femnist", "gtsrb", "cinic10",
 ]

@@ -27,7 +27,11 @@ Schemes (K clients, C classes, N samples):
   split among its holders evenly (``balance=True``) or with random sizes of
   at least one sample each (``balance=False``).
 
-``balance=True``: no-op for ``iid``; for the Dirichlet schemes every client
+* ``natural`` -- one client per distinct value of ``groups`` (e.g. FEMNIST's
+  writers, `Dataset.train_groups`), clients in ascending group order;
+  ``num_clients`` must equal the number of distinct groups. No randomness.
+
+``balance=True``: no-op for ``iid`` and ``natural``; for the Dirichlet schemes every client
 gets N//K or N//K + 1 samples (all indices assigned, no retries, no clients
 dropped unless N//K < min_size for ``dirichlet_by_client``): the scheme's
 Dirichlet draw gives each client a target label mix, and clients (in random
@@ -46,7 +50,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-SCHEMES = ("iid", "dirichlet_by_client", "dirichlet_by_class", "pathological")
+SCHEMES = ("iid", "dirichlet_by_client", "dirichlet_by_class", "pathological", "natural")
 _DEFAULT_MIN_SIZE = {"dirichlet_by_client": 5, "dirichlet_by_class": 10}
 
 
@@ -284,15 +288,35 @@ def _pathological(y: np.ndarray, k: int, per_client: int, balance: bool,
     return _finish(chunks)
 
 
+def _natural(groups: Any, n: int, k: int) -> list[np.ndarray]:
+    if groups is None:
+        raise ValueError("scheme 'natural' needs groups (one group id per sample, e.g. "
+                         "Dataset.train_groups), got None")
+    g = np.asarray(groups)
+    if g.shape != (n,) or not np.issubdtype(g.dtype, np.integer):
+        raise ValueError(f"groups must be integers of shape ({n},) like labels, got "
+                         f"{g.dtype} of shape {g.shape}")
+    ids, inverse = np.unique(g, return_inverse=True)
+    if len(ids) != k:
+        raise ValueError(f"scheme 'natural' makes one client per group: groups hold "
+                         f"{len(ids)} distinct values, so num_clients must be {len(ids)}, "
+                         f"got {k}")
+    # A stable sort by group keeps each client's indices in increasing order.
+    order = np.argsort(inverse.reshape(-1), kind="stable").astype(np.int64)
+    return np.split(order, np.cumsum(np.bincount(inverse.reshape(-1)))[:-1])
+
+
 def partition(labels: Sequence[int] | np.ndarray, num_clients: int, scheme: str,
               seed: int, *, alpha: float | None = None,
               classes_per_client: int | None = None, min_size: int | None = None,
               balance: bool = False, max_retries: int = 1000,
-              num_classes: int | None = None) -> list[np.ndarray]:
+              num_classes: int | None = None,
+              groups: Sequence[int] | np.ndarray | None = None) -> list[np.ndarray]:
     """Split sample indices of `labels` among clients with the given scheme.
 
     Returns one sorted int64 index array per client (see the module docstring for
     each scheme; `dirichlet_by_client` may return fewer than `num_clients` arrays).
+    `groups` (one id per sample) is needed by, and only used by, scheme 'natural'.
     """
     y, n_cls = _as_labels(labels, num_classes)
     n = len(y)
@@ -302,6 +326,8 @@ def partition(labels: Sequence[int] | np.ndarray, num_clients: int, scheme: str,
     k = int(num_clients)
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r}; valid schemes: {', '.join(SCHEMES)}")
+    if scheme == "natural":
+        return _natural(groups, n, k)
     rng = np.random.default_rng(seed)
 
     if scheme == "iid":

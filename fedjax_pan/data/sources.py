@@ -2,17 +2,23 @@
 
 `load(name)` returns a `Dataset` with NHWC uint8 images and int32 labels.
 Fashion-MNIST (and MNIST, when pointed at a folder) is read from the raw IDX
-files with NumPy alone; every other dataset is read from a TFDS dataset that
-was already prepared in the array_record format (`tfds.data_source`), which
-needs no TensorFlow. `synthetic()` builds a small learnable float32 dataset for
-fast tests.
+files with NumPy alone; FEMNIST, GTSRB and CINIC-10 from their public release
+files in a directory the user gives (`fedjax_pan.data.files`); every other
+dataset is read from a TFDS dataset that was already prepared in the
+array_record format (`tfds.data_source`), which needs no TensorFlow.
+`synthetic()` builds a small learnable float32 dataset for fast tests.
 
 `NORMALIZATION` holds per-channel (mean, std) of the *training* split in [0, 1]
 pixel units (std over all pixels of a channel). Source: the values commonly
 quoted in PyTorch/torchvision training recipes for these datasets (mnist's
 0.1307/0.3081 are the PyTorch MNIST example's). fashion_mnist's are re-derived
 from the real files in tests/test_sources.py; the others are not re-checked here
-because their data are not installed. EMNIST is TFDS's default config (byclass);
+because their data are not installed. cinic10's are the CINIC-10 authors' published
+values (train split). gtsrb's are the values quoted in PyTorch GTSRB recipes for the
+training images resized to 32x32, as `load` does (not re-checked here). FEMNIST has
+no published statistics for LEAF's white-background pixels: `load` computes them from
+the loaded training split (`Dataset.stats`, `channel_stats`), so it is not in the table;
+`normalization(ds)` gives whichever applies. EMNIST is TFDS's default config (byclass);
 TFDS stores EMNIST images transposed relative to MNIST, and `load` keeps them so.
 """
 
@@ -30,8 +36,8 @@ from typing import Any, Optional, Union
 import numpy as np
 
 __all__ = [
-    "Dataset", "DataError", "NORMALIZATION", "load", "normalize", "read_idx", "subset",
-    "synthetic", "DATASETS",
+    "Dataset", "DataError", "NORMALIZATION", "AUTHORS_NORMALIZATION", "load", "normalize",
+    "normalization", "channel_stats", "read_idx", "subset", "synthetic", "DATASETS", "GROUPED_DATASETS",
 ]
 
 Stats = tuple[tuple[float, ...], tuple[float, ...]]
@@ -43,13 +49,31 @@ NORMALIZATION: dict[str, Stats] = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
     "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
     "svhn_cropped": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
+    "cinic10": ((0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.23828046, 0.25874835)),
+    "gtsrb": ((0.3337, 0.3064, 0.3171), (0.2672, 0.2564, 0.2629)),
 }
 
-# Names accepted by `load`, in a stable order for error messages.
-DATASETS: tuple[str, ...] = tuple(NORMALIZATION)
+NORMALIZATIONS = ("standard", "authors")  # config.dataset.normalization
+
+# The PAN authors' CIFAR constants (their cifar_data.py, for CIFAR-10 and CIFAR-100 alike;
+# the std values are the widely copied 0.2023/0.1994/0.2010, not the data's own).
+AUTHORS_NORMALIZATION: dict[str, Stats] = {
+    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+    "cifar100": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
+}
+
+# Names accepted by `load`, in a stable order for error messages (femnist's statistics
+# are computed at load time, see the module docstring).
+DATASETS: tuple[str, ...] = (*NORMALIZATION, "femnist")
+# Datasets whose training examples carry natural client groups (`Dataset.train_groups`),
+# the only ones partition scheme 'natural' applies to.
+GROUPED_DATASETS: tuple[str, ...] = ("femnist",)
 
 FASHION_MNIST_DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"
-_ENV_DIRS = {"fashion_mnist": "FEDJAX_PAN_FASHION_MNIST_DIR", "mnist": "FEDJAX_PAN_MNIST_DIR"}
+_ENV_DIRS = {"fashion_mnist": "FEDJAX_PAN_FASHION_MNIST_DIR", "mnist": "FEDJAX_PAN_MNIST_DIR",
+             "femnist": "FEDJAX_PAN_FEMNIST_DIR", "gtsrb": "FEDJAX_PAN_GTSRB_DIR",
+             "cinic10": "FEDJAX_PAN_CINIC10_DIR"}
+_FILE_DATASETS = ("femnist", "gtsrb", "cinic10")  # read by fedjax_pan.data.files
 _IDX_FILES = {
     "train_images": "train-images-idx3-ubyte",
     "train_labels": "train-labels-idx1-ubyte",
@@ -69,7 +93,10 @@ class Dataset:
     """A classification dataset held in memory.
 
     Images are NHWC (uint8 for real data, float32 for `synthetic`), labels int32
-    of shape (N,) with values in [0, num_classes).
+    of shape (N,) with values in [0, num_classes). `train_groups` (int32, (N,)) is the
+    natural client of each training example (FEMNIST: writer index), None for datasets
+    without one; `stats` the per-channel (mean, std) computed at load time for datasets
+    with no published values (None: use `NORMALIZATION[name]`).
     """
 
     name: str
@@ -78,6 +105,8 @@ class Dataset:
     test_images: np.ndarray
     test_labels: np.ndarray
     num_classes: int
+    train_groups: Optional[np.ndarray] = None
+    stats: Optional[Stats] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_classes, (int, np.integer)) or self.num_classes < 1:
@@ -104,6 +133,14 @@ class Dataset:
         if self.train_images.shape[1:] != self.test_images.shape[1:]:
             raise ValueError(f"{self.name}: train images {self.train_images.shape[1:]} and test "
                              f"images {self.test_images.shape[1:]} differ in shape")
+        groups = self.train_groups
+        if groups is not None:
+            if groups.dtype != np.int32 or groups.shape != self.train_labels.shape:
+                raise ValueError(f"{self.name}: train_groups must be int32 of shape "
+                                 f"{self.train_labels.shape}, got {groups.dtype} of shape "
+                                 f"{groups.shape}")
+            if groups.size and groups.min() < 0:
+                raise ValueError(f"{self.name}: train_groups must be >= 0, got {groups.min()}")
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -274,12 +311,28 @@ def load(name: str, *, data_dir: Optional[Union[str, os.PathLike]] = None) -> Da
     """Load dataset `name` (one of `DATASETS`) fully into memory.
 
     fashion_mnist / mnist read IDX files from `data_dir`, else $FEDJAX_PAN_<NAME>_DIR,
-    else (fashion_mnist only) /usr/share/datasets/fashion-mnist; everything else, or
-    when no IDX files are there, comes from prepared TFDS data under `data_dir`.
+    else (fashion_mnist only) /usr/share/datasets/fashion-mnist; femnist / gtsrb /
+    cinic10 read their release files from `data_dir`, else $FEDJAX_PAN_<NAME>_DIR (one
+    of them is required; see `fedjax_pan.data.files`, whose defaults apply); everything
+    else, or when no IDX files are there, comes from prepared TFDS data under `data_dir`.
     """
-    if name not in NORMALIZATION:
+    if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     data_dir = None if data_dir is None else os.fspath(data_dir)
+    if name in _FILE_DATASETS:
+        from fedjax_pan.data import files  # it imports this module
+
+        var = _ENV_DIRS[name]
+        if data_dir is None:
+            data_dir = os.environ.get(var) or None
+            if data_dir is None:
+                raise DataError(f"{name}: no data directory: pass data_dir "
+                                f"(--config.dataset.data_dir) or set ${var} to a copy of "
+                                f"{files.LAYOUTS[name]}")
+            if not os.path.isdir(data_dir):
+                raise DataError(f"${var}={data_dir} is not a directory; point it at a copy of "
+                                f"{files.LAYOUTS[name]} or unset it")
+        return files.LOADERS[name](data_dir)
     searched = None
     if name in _ENV_DIRS:
         var = _ENV_DIRS[name]
@@ -315,7 +368,8 @@ def load(name: str, *, data_dir: Optional[Union[str, os.PathLike]] = None) -> Da
 def subset(ds: Dataset, train_limit: Optional[int] = None, test_limit: Optional[int] = None,
            seed: int = 0) -> Dataset:
     """At most `train_limit` / `test_limit` examples of each split: a seeded random subset
-    kept in the original order (train drawn first, from numpy's default_rng(seed))."""
+    kept in the original order (train drawn first, from numpy's default_rng(seed)).
+    `train_groups` follow their examples; `stats` stay those of the loaded split."""
     rng = np.random.default_rng(seed)
 
     def keep(n: int, limit: Optional[int]) -> Optional[np.ndarray]:
@@ -324,10 +378,12 @@ def subset(ds: Dataset, train_limit: Optional[int] = None, test_limit: Optional[
         return np.sort(rng.permutation(n)[:limit])
 
     train, test = keep(ds.num_train, train_limit), keep(ds.num_test, test_limit)
+    groups = ds.train_groups
     return dataclasses.replace(
         ds,
         train_images=ds.train_images if train is None else ds.train_images[train],
         train_labels=ds.train_labels if train is None else ds.train_labels[train],
+        train_groups=groups if train is None or groups is None else groups[train],
         test_images=ds.test_images if test is None else ds.test_images[test],
         test_labels=ds.test_labels if test is None else ds.test_labels[test])
 
@@ -342,8 +398,10 @@ def normalize(images: Any, name_or_stats: Union[str, Stats, Sequence[Sequence[fl
         return images
     if isinstance(name_or_stats, str):
         if name_or_stats not in NORMALIZATION:
-            raise ValueError(f"no normalisation statistics for {name_or_stats!r}; known: "
-                             f"{', '.join(NORMALIZATION)}")
+            hint = (" (its statistics are computed at load time: pass normalization(ds))"
+                    if name_or_stats in DATASETS else "")
+            raise ValueError(f"no normalisation statistics for {name_or_stats!r}{hint}; "
+                             f"known: {', '.join(NORMALIZATION)}")
         name_or_stats = NORMALIZATION[name_or_stats]
     mean, std = (np.asarray(s, dtype=np.float32) for s in name_or_stats)
     if mean.shape != std.shape or mean.shape != (images.shape[-1],):
@@ -358,6 +416,29 @@ def normalize(images: Any, name_or_stats: Union[str, Stats, Sequence[Sequence[fl
         return out
     # Operators only, so JAX arrays (also under jit) stay JAX arrays.
     return images.astype(np.float32) * scale - shift
+
+
+def normalization(ds: Dataset) -> Optional[Stats]:
+    """The (mean, std) that `normalize` should use for `ds`: its load-time `stats` if set,
+    else `NORMALIZATION[ds.name]`; None when neither exists (e.g. `synthetic`)."""
+    return ds.stats if ds.stats is not None else NORMALIZATION.get(ds.name)
+
+
+def channel_stats(images: np.ndarray) -> Stats:
+    """Per-channel (mean, std) of uint8 NHWC `images` in [0, 1] units (std over all
+    pixels of a channel), exact, from a 256-bin histogram (no float copy of the images)."""
+    if images.dtype != np.uint8 or images.ndim != 4 or not images.size:
+        raise ValueError(f"channel_stats needs non-empty uint8 NHWC images, got "
+                         f"{images.dtype} of shape {images.shape}")
+    values = np.arange(256, dtype=np.float64) / 255
+    means, stds = [], []
+    for c in range(images.shape[-1]):
+        counts = np.bincount(images[..., c].reshape(-1), minlength=256).astype(np.float64)
+        p = counts / counts.sum()
+        mean = float(p @ values)
+        means.append(mean)
+        stds.append(float(np.sqrt(max(p @ (values - mean) ** 2, 0.0))))
+    return tuple(means), tuple(stds)
 
 
 def _smooth_field(rng: np.random.Generator, shape: tuple[int, int, int]) -> np.ndarray:

@@ -8,19 +8,59 @@ sequential reference) sees the same batches. A last partial batch of r examples 
 computed on `tail_rows` rows (r rounded up to a multiple of ceil(B/4): at most three
 compiled tail shapes, not one per size) or, where clients step in lockstep, on B rows; the
 padding rows are masked either way.
+
+Training batches may be augmented (`Augment`: torchvision's RandomCrop(padding) and
+RandomHorizontalFlip), inside the compiled step, each example from its own key
+fold_in(fold_in(fold_in(key_k, AUGMENT_STREAM), step), row): the same crops under every
+strategy, whatever rows a batch is computed on.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, Optional, Sequence
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 STEP_MODES = ("epochs", "authors", "steps")
+AUGMENT_STREAM = 7919  # folded into a client's data key for its augmentation draws
+AUGMENTS = ("none", "crop_flip")  # config.dataset.augment
+
+
+class Augment(NamedTuple):
+    """Random crops of the image's size from the image padded by `pad` pixels of value
+    `fill` (per channel; what black becomes after normalisation), and horizontal flips
+    with probability 1/2 when `flip`."""
+
+    pad: int = 4
+    flip: bool = True
+    fill: Tuple[float, ...] = (0.0,)
+
+
+def augment_batch(x: jax.Array, key: jax.Array, augment: Augment) -> jax.Array:
+    """`augment` applied to a batch (B, H, W, C), example i drawn from fold_in(key, i)."""
+    b, h, w, c = x.shape
+    p = int(augment.pad)
+    fill = jnp.broadcast_to(jnp.asarray(augment.fill, x.dtype), (c,))
+    padded = jnp.broadcast_to(fill, (b, h + 2 * p, w + 2 * p, c))
+    padded = jax.lax.dynamic_update_slice(padded, x, (0, p, p, 0))
+
+    def one(image, i):
+        k_crop, k_flip = jax.random.split(jax.random.fold_in(key, i))
+        dy, dx = jax.random.randint(k_crop, (2,), 0, 2 * p + 1)
+        out = jax.lax.dynamic_slice(image, (dy, dx, 0), (h, w, c))
+        if augment.flip:
+            out = jnp.where(jax.random.bernoulli(k_flip), out[:, ::-1], out)
+        return out
+    return jax.vmap(one)(padded, jnp.arange(b))
+
+
+def augment_key(key: jax.Array, step: jax.Array) -> jax.Array:
+    """The key of a client's augmentation draws at local step `step`."""
+    return jax.random.fold_in(jax.random.fold_in(key, AUGMENT_STREAM), step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +76,7 @@ class LocalWork:
     epochs: float = 5.0
     mode: str = "epochs"
     local_steps: Optional[int] = None
+    augment: Optional[Augment] = None  # training-batch augmentation
 
     def __post_init__(self):
         if self.mode not in STEP_MODES:

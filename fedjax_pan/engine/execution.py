@@ -32,7 +32,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm, tree_bytes
-from fedjax_pan.engine.clients import (ClientData, LocalWork, computed_alone, make_batch,
+from fedjax_pan.engine.clients import (ClientData, LocalWork, augment_batch, augment_key,
+                                       computed_alone, make_batch,
                                        step_rows, tail_rows)
 
 PyTree = Any
@@ -70,6 +71,7 @@ class ClientProgram:
     def __init__(self, algorithm: FederatedAlgorithm, work: LocalWork, data: ClientData):
         self.algorithm = algorithm
         self.batch_size = work.batch_size
+        self.augment = work.augment
         self.stacked = algorithm.aggregator.stacked
         self._batch = jax.eval_shape(lambda: make_batch(
             data.images, data.labels, data.index_table[0], jnp.int32(1),
@@ -102,6 +104,8 @@ class ClientProgram:
         images, labels, table = arrays
         client, size, key, steps = info
         batch = make_batch(images, labels, table[client], size, key, t, self.batch_size, rows)
+        if self.augment is not None:
+            batch = {**batch, "x": augment_batch(batch["x"], augment_key(key, t), self.augment)}
         new_local, metrics = self.algorithm.client_step(local, batch, server)
         if not masked:
             return new_local, tree_map(jnp.add, acc, metrics)

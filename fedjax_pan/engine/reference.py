@@ -10,14 +10,15 @@ speed; it is the same function eagerly).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm, RoundInfo
-from fedjax_pan.engine.clients import ClientData, epoch_order
+from fedjax_pan.engine.clients import (Augment, ClientData, augment_batch, augment_key,
+                                       epoch_order)
 from fedjax_pan.engine.execution import Cohort
 
 PyTree = Any
@@ -29,8 +30,10 @@ def _jitted(step: Callable) -> Callable:
 
 
 def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size: int,
-                    server: PyTree, cohort: Cohort) -> Tuple[PyTree, list, float]:
-    """(new server state, per-client new states, mean training loss) of one round.
+                    server: PyTree, cohort: Cohort, augment: Optional[Augment] = None
+                    ) -> Tuple[PyTree, list, float]:
+    """(new server state, per-client new states, mean training loss) of one round, its
+    training batches augmented by `augment` (as the engine's `LocalWork.augment`).
 
     Aggregates in float64 on the host: a streaming aggregator's weighted sum directly,
     a stacked one on the clients' outputs stacked in cohort order.
@@ -58,6 +61,9 @@ def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size:
             rows = table[client, order[b * batch_size:(b + 1) * batch_size]].astype(np.int64)
             batch = {"x": jnp.asarray(images[rows]), "y": jnp.asarray(labels[rows]),
                      "mask": jnp.ones(len(rows), jnp.float32)}
+            if augment is not None:
+                batch["x"] = augment_batch(batch["x"], augment_key(cohort.data_keys[m], t),
+                                           augment)
             local, metrics = step(local, batch, server)
             loss_sum += float(metrics["loss_sum"])
             count += float(metrics["num_examples"])

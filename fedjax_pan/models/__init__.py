@@ -28,7 +28,7 @@ from fedjax_pan.models import grouped as grouped_lib
 from fedjax_pan.models import layers
 from fedjax_pan.models.mlp import MLP
 from fedjax_pan.models.mobilenet import MobileNetV1
-from fedjax_pan.models.resnet import ResNet
+from fedjax_pan.models.resnet import ResNet, explicit_shortcuts
 from fedjax_pan.models.vgg import CONV_PLANS, FC_HIDDEN, VGG, scaled
 from fedjax_pan.pan import PANLike, as_config
 
@@ -69,7 +69,7 @@ _OPTIONS = {
     "vgg11": {"width", "grouped", "channels"},
     "vgg13": {"width", "grouped", "channels"},
     "vgg16": {"width", "grouped", "channels"},
-    "resnet20": {"widths", "stem_width", "blocks_per_stage"},
+    "resnet20": {"widths", "stem_width", "blocks_per_stage", "explicit_shortcuts"},
     "mobilenet": {"width", "grouped"},
 }
 NAMES = tuple(_REGISTRY)
@@ -84,7 +84,8 @@ def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] 
     else none). options: per-model extras (mlp: hidden; vgg9: pan_fc, width, fc_hidden;
     vggN and mobilenet: width; vgg*: channels, every conv's width in order (before
     `width` scales them); mlp, vgg* and mobilenet: grouped, a `GroupedConfig` or mapping of its
-    fields (Fed2 groups); resnet20: widths, stem_width, blocks_per_stage).
+    fields (Fed2 groups); resnet20: widths, stem_width, blocks_per_stage,
+    explicit_shortcuts).
     """
     key = str(name).lower()
     if key not in _REGISTRY:
@@ -148,7 +149,7 @@ def init(model: nn.Module, rng: jax.Array, input_shape: Tuple[int, ...]) -> Dict
     def _init(key):
         variables = model.init(key, jnp.zeros((1, *input_shape), jnp.float32), train=False)
         return {k: v for k, v in variables.items()
-                if k not in ("intermediates", layers.PERTURBATIONS)}
+                if k not in ("intermediates", layers.PERTURBATIONS, layers.PREACTIVATIONS)}
     return _init(rng)
 
 
@@ -174,12 +175,15 @@ def activation_gradients(model: nn.Module, variables: Mapping[str, Any], x: jnp.
 
 
 def apply_with_intermediates(model: nn.Module, variables: Mapping[str, Any], x: jnp.ndarray,
-                             train: bool = False) -> Tuple[jnp.ndarray, Dict[str, jnp.ndarray]]:
-    """Logits and every sown activation (by layer name, plus 'features')."""
-    mutable = ["intermediates"] + (["batch_stats"] if train and "batch_stats" in variables else [])
+                             train: bool = False, pre_relu: bool = False
+                             ) -> Tuple[jnp.ndarray, Dict[str, jnp.ndarray]]:
+    """Logits and every sown activation (by layer name, plus 'features'); with `pre_relu`,
+    every hidden layer's post-PAN, pre-ReLU output instead, plus 'head' (the logits)."""
+    collection = layers.PREACTIVATIONS if pre_relu else "intermediates"
+    mutable = [collection] + (["batch_stats"] if train and "batch_stats" in variables else [])
     logits, state = model.apply(variables, x, train=train, mutable=mutable)
-    cut = len(layers.SOW_SUFFIX)
-    return logits, {k[:-cut]: v for k, v in state["intermediates"].items()}
+    cut = len(layers.PRE_SUFFIX if pre_relu else layers.SOW_SUFFIX)
+    return logits, {k[:-cut]: v for k, v in state[collection].items()}
 
 
 def group_owners(model: nn.Module, variables: Mapping[str, Any]) -> grouped_lib.Owners:
@@ -200,4 +204,4 @@ def count_params(variables: Mapping[str, Any]) -> int:
 
 __all__ = ["build", "init", "widths", "resized", "with_channels", "apply_with_intermediates",
            "activation_gradients", "count_params", "group_owners", "NAMES", "MLP", "VGG",
-           "ResNet", "MobileNetV1"]
+           "ResNet", "MobileNetV1", "explicit_shortcuts"]

@@ -252,7 +252,7 @@ def grouped_unit(module: nn.Module, x: jnp.ndarray, features: int, name: str, *,
     if grouped.norm == "group" and conv:
         x = nn.GroupNorm(num_groups=g * int(grouped.norm_per_group), epsilon=layers.NORM_EPS,
                          name=f"{name}_norm")(x)
-    return layers.sow(module, name, nn.relu(apply_pan(x, pan)))
+    return layers.relu_sown(module, name, apply_pan(x, pan))
 
 
 # How each grouped layer's leaves map onto groups: 'blocks' = output channels in G

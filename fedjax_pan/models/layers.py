@@ -4,7 +4,8 @@ A hidden unit is always `relu(pan(norm(affine(x))))`: PANs sit after bias and no
 before the activation (paper App. B, Fig. 13). Layers are created flat in the calling
 module's scope (`fc1`, `fc1_norm`, ...), so parameter paths stay short and stable for
 permutation specs. Activations are sown into the 'intermediates' collection under the
-layer's name; sowing is free unless that collection is mutable.
+layer's name (and pre-activations into 'preactivations'); sowing is free unless that
+collection is mutable.
 
 The helpers here must be called inside a `@nn.compact` method.
 """
@@ -84,7 +85,7 @@ def hidden_unit(module: nn.Module, x: jnp.ndarray, features: int, name: str, *,
     """relu(pan(norm(affine(x)))), sown as `name`."""
     x = affine(x, features, name, conv=conv, kernel=kernel, stride=stride, use_bias=use_bias)
     x = normalize(x, norm, groups, train, f"{name}_norm", mask)
-    return sow(module, name, nn.relu(apply_pan(x, pan)))
+    return relu_sown(module, name, apply_pan(x, pan))
 
 
 def classifier(x: jnp.ndarray, num_classes: int, name: str = "head") -> jnp.ndarray:
@@ -94,6 +95,22 @@ def classifier(x: jnp.ndarray, num_classes: int, name: str = "head") -> jnp.ndar
 
 SOW_SUFFIX = "_out"
 PERTURBATIONS = "perturbations"
+# Pre-activations: a hidden layer's post-PAN, pre-ReLU output (the PAN authors' neuron
+# representation) and the head's logits, recorded only when this collection is mutable.
+PREACTIVATIONS = "preactivations"
+PRE_SUFFIX = "_pre"  # as SOW_SUFFIX: apart from the layer's parameter scope
+
+
+def sow_pre(module: nn.Module, name: str, value: jnp.ndarray) -> jnp.ndarray:
+    """Records `value` as layer `name`'s pre-activation and returns it."""
+    module.sow(PREACTIVATIONS, name + PRE_SUFFIX, value, init_fn=lambda: None,
+               reduce_fn=lambda _, new: new)
+    return value
+
+
+def relu_sown(module: nn.Module, name: str, pre: jnp.ndarray) -> jnp.ndarray:
+    """relu(pre), with `pre` recorded as the pre-activation and the result sown as `name`."""
+    return sow(module, name, nn.relu(sow_pre(module, name, pre)))
 
 
 def sow(module: nn.Module, name: str, value: jnp.ndarray) -> jnp.ndarray:

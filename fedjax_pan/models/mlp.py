@@ -48,6 +48,6 @@ class MLP(nn.Module):
                                        groups=self.groups, pan=self.pan, train=train,
                                        mask=mask)
         x = layers.sow(self, "features", x)
-        if gc is None:
-            return layers.classifier(x, self.num_classes)
-        return grouped_lib.decoupled_head(x, gc, self.num_classes)
+        logits = (layers.classifier(x, self.num_classes) if gc is None else
+                  grouped_lib.decoupled_head(x, gc, self.num_classes))
+        return layers.sow_pre(self, "head", logits)

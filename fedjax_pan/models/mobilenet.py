@@ -121,16 +121,16 @@ class MobileNetV1(nn.Module):
                                          grouped=gc, pan=self.pan)
         # Group g's channels stay contiguous through the pool: group-major features.
         x = layers.sow(self, "features", jnp.mean(x, axis=(1, 2)))
-        if gc is None:
-            return layers.classifier(x, self.num_classes)
-        return grouped_lib.decoupled_head(x, gc, self.num_classes)
+        logits = (layers.classifier(x, self.num_classes) if gc is None else
+                  grouped_lib.decoupled_head(x, gc, self.num_classes))
+        return layers.sow_pre(self, "head", logits)
 
     def _depthwise(self, x: jnp.ndarray, name: str, stride: int, train: bool,
                    mask: Optional[jnp.ndarray]) -> jnp.ndarray:
         """relu(norm(dwconv(x))) with the model's norm; no PAN."""
         x = _dwconv(x, name, stride, use_bias=self.norm == "none")
         x = layers.normalize(x, self.norm, self.groups, train, f"{name}_norm", mask)
-        return layers.sow(self, name, nn.relu(x))
+        return layers.relu_sown(self, name, x)
 
     def _grouped_depthwise(self, x: jnp.ndarray, name: str, stride: int) -> jnp.ndarray:
         """relu(groupnorm(dwconv(x))) on group-major channels; GN groups nest in the G groups."""
@@ -139,7 +139,7 @@ class MobileNetV1(nn.Module):
         if gc.norm == "group":
             x = nn.GroupNorm(num_groups=int(gc.groups) * int(gc.norm_per_group),
                              epsilon=layers.NORM_EPS, name=f"{name}_norm")(x)
-        return layers.sow(self, name, nn.relu(x))
+        return layers.relu_sown(self, name, x)
 
 
 def _dwconv(x: jnp.ndarray, name: str, stride: int, use_bias: bool) -> jnp.ndarray:

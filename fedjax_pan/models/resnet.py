@@ -8,14 +8,21 @@ Widths default to the paper's code (stem 64, stages 64/128/256), not the classic
 
 A projection shortcut (1x1 conv, stride 2, + norm) carries its own encoding; an identity
 shortcut and the stem carry none. With norm='none' the convs get biases instead.
+
+`explicit_shortcuts=True` writes every identity shortcut as a 1x1 conv `..._identity` whose
+kernel starts as the identity matrix (no bias, norm or PAN): the same function, but each
+block's output channels can then be permuted on their own, the shortcut's kernel becoming a
+permutation matrix (the PAN authors' per-block shuffle). `explicit_shortcuts(model,
+variables)` converts a model trained without them.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax.numpy as jnp
+import numpy as np
 
 from fedjax_pan.models import layers
 from fedjax_pan.pan import PANConfig, apply_pan
@@ -31,6 +38,7 @@ class ResNet(nn.Module):
     pan: Optional[PANConfig] = None
     norm: str = "batch"
     groups: int = layers.DEFAULT_GROUPS
+    explicit_shortcuts: bool = False
 
     @nn.compact
     def __call__(self, x: jnp.ndarray, train: bool = False,
@@ -53,7 +61,30 @@ class ResNet(nn.Module):
                                       stride=stride, use_bias=bias)
                     x = apply_pan(layers.normalize(x, self.norm, self.groups, train,
                                                    f"{name}_shortcut_norm", mask), self.pan)
-                x = layers.sow(self, name, nn.relu(h + x))
+                elif self.explicit_shortcuts:
+                    x = nn.Conv(width, (1, 1), use_bias=False, kernel_init=_identity_init,
+                                name=f"{name}_identity")(x)
+                x = layers.relu_sown(self, name, h + x)
         x = jnp.mean(x, axis=(1, 2))
         x = layers.sow(self, "features", x)
-        return layers.classifier(x, self.num_classes)
+        return layers.sow_pre(self, "head", layers.classifier(x, self.num_classes))
+
+
+def _identity_init(key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> jnp.ndarray:
+    del key
+    return jnp.eye(shape[-2], shape[-1], dtype=dtype).reshape(shape)
+
+
+def explicit_shortcuts(model: ResNet, variables: Mapping[str, Any]
+                       ) -> Tuple[ResNet, Dict[str, Any]]:
+    """(model, variables) computing the same function with every identity shortcut an
+    explicit identity 1x1 conv `stage{s}_block{b}_identity`."""
+    params = dict(variables["params"])
+    for key in list(params):
+        if key.endswith("_conv2"):
+            name = key[:-len("_conv2")]
+            if f"{name}_shortcut" not in params:
+                width = int(params[key]["kernel"].shape[-1])
+                params[f"{name}_identity"] = {
+                    "kernel": np.eye(width, dtype=np.float32).reshape(1, 1, width, width)}
+    return model.clone(explicit_shortcuts=True, parent=None), {**variables, "params": params}

@@ -98,9 +98,9 @@ class VGG(nn.Module):
                 x = layers.hidden_unit(self, x, scaled(h, self.width), name, conv=False,
                                        norm="none", groups=self.groups, pan=pan, train=train)
         x = layers.sow(self, "features", x)
-        if gc is None:
-            return layers.classifier(x, self.num_classes)
-        return grouped_lib.decoupled_head(x, gc, self.num_classes)
+        logits = (layers.classifier(x, self.num_classes) if gc is None else
+                  grouped_lib.decoupled_head(x, gc, self.num_classes))
+        return layers.sow_pre(self, "head", logits)
 
 
 def scaled(width: int, factor: float) -> int:
