@@ -14,7 +14,8 @@ epochs from the global model (App. E), giving its local model. Two analyses (Sec
     between global and local model.
 
 Layers: fc2 and fc3 (the MLP's `features` is fc3's output, so it is not repeated) and, for
-the assignment, the head (FC4: its logits, Fig. 22). A neuron is represented by its
+the preference vectors, the head (FC4, Fig. 22: its logits, whose preferences are diagonal
+by construction, dZ_c/dZ_i = [i = c]). A neuron is represented by its
 post-PAN, pre-ReLU outputs, as the authors' code does (`pre_relu=False`: post-ReLU
 activations, whose silent neurons are interchangeable; `dead_neurons` counts them).
 The paper uses Mnist, H = 20, E = 20. Presets: paper (full data, H = 20, E = 20, all test
@@ -49,9 +50,9 @@ class Settings:
     pan_on: Pan = common.PANS_ON
     num_samples: int = 500  # test samples representing a neuron (paper: 500)
     preference_samples: int = 2000  # test samples for the preference vectors
-    assignment_layers: Tuple[str, ...] = ("fc2", "fc3", "head")
+    assignment_layers: Tuple[str, ...] = ("fc2", "fc3")
     pre_relu: bool = True  # the authors' neuron representation
-    preference_layers: Tuple[str, ...] = ("fc2", "fc3")
+    preference_layers: Tuple[str, ...] = ("fc2", "fc3", "head")
     show_neurons: int = 64
 
 

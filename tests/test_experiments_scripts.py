@@ -129,9 +129,10 @@ def test_alignment(runs):
     results = _json(os.path.join(d, "alignment.json"))["results"]
     for side in ("off", "on"):
         res = results[side]
-        # fc2, fc3 and the head (FC4, Fig. 22), represented pre-ReLU (no silent neurons).
-        assert set(res["diagonal_ratio"]) == {"fc2", "fc3", "head"}
-        assert res["layer_width"]["head"] == 10 and res["dead_neurons"]["fc3"] == 0
+        # Neurons represented pre-ReLU (none silent); the head's preferences (FC4, Fig. 22).
+        assert set(res["diagonal_ratio"]) == {"fc2", "fc3"} and res["dead_neurons"]["fc3"] == 0
+        assert set(res["class_agreement"]) == {"fc2", "fc3", "head"}
+        assert os.path.getsize(os.path.join(d, f"fig8_preferences_head_{side}.png")) > 0
         values = [*res["diagonal_ratio"].values(), *res["class_agreement"].values()]
         assert _finite(values) and all(0.0 <= v <= 1.0 for v in values)
         for layer in ("fc2", "fc3"):

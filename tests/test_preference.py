@@ -43,6 +43,16 @@ def test_features_preference_matches_head_kernel(mlp):
         np.testing.assert_allclose(pref, expected, rtol=1e-4, atol=1e-6)
 
 
+def test_output_layer_preference_is_diagonal(mlp):
+    """Fig. 22 (the MLP's FC4): an output neuron i's own logit Z_i has dZ_c/dZ_i = [i = c],
+    so p[i, c] = [i = c] * sum of Z_c over the class-c samples."""
+    model, variables, x, y = mlp
+    logits = np.asarray(model.apply(variables, x), np.float64)
+    expected = np.diag([logits[y == c, c].sum() for c in range(10)])
+    pref = preference_vectors(model, variables, x, y, "head", 10, batch_size=16)
+    np.testing.assert_allclose(pref, expected, rtol=1e-4, atol=1e-6)
+
+
 def test_mean_and_normalize_options(mlp):
     model, variables, x, y = mlp
     expected = _numpy_features_preference(variables, x, y) / np.bincount(y, minlength=10)

@@ -50,4 +50,4 @@ class MLP(nn.Module):
         x = layers.sow(self, "features", x)
         logits = (layers.classifier(x, self.num_classes) if gc is None else
                   grouped_lib.decoupled_head(x, gc, self.num_classes))
-        return layers.sow_pre(self, "head", logits)
+        return layers.sow(self, "head", layers.sow_pre(self, "head", logits))

@@ -123,7 +123,7 @@ class MobileNetV1(nn.Module):
         x = layers.sow(self, "features", jnp.mean(x, axis=(1, 2)))
         logits = (layers.classifier(x, self.num_classes) if gc is None else
                   grouped_lib.decoupled_head(x, gc, self.num_classes))
-        return layers.sow_pre(self, "head", logits)
+        return layers.sow(self, "head", layers.sow_pre(self, "head", logits))
 
     def _depthwise(self, x: jnp.ndarray, name: str, stride: int, train: bool,
                    mask: Optional[jnp.ndarray]) -> jnp.ndarray:

@@ -67,7 +67,8 @@ class ResNet(nn.Module):
                 x = layers.relu_sown(self, name, h + x)
         x = jnp.mean(x, axis=(1, 2))
         x = layers.sow(self, "features", x)
-        return layers.sow_pre(self, "head", layers.classifier(x, self.num_classes))
+        return layers.sow(self, "head", layers.sow_pre(self, "head", layers.classifier(
+            x, self.num_classes)))
 
 
 def _identity_init(key: Any, shape: Sequence[int], dtype: Any = jnp.float32) -> jnp.ndarray:
