@@ -268,22 +268,30 @@ def load_data(name: str, seed: int = 0, train_limit: Optional[int] = None,
 def train_centralised(model: Any, variables: PyTree, x: np.ndarray, y: np.ndarray, *,
                       epochs: int, batch_size: int = 64, lr: float = 0.05,
                       momentum: float = 0.9, weight_decay: float = 0.0, seed: int = 0,
-                      show_progress: bool = True, desc: str = "train"
+                      show_progress: bool = True, desc: str = "train",
+                      optimizer: str = "sgd", warmup_steps: int = 0
                       ) -> Tuple[PyTree, List[float]]:
-    """Mini-batch SGD (optax, momentum) on (x, y); returns (variables, mean loss per epoch).
+    """Mini-batch training on (x, y); returns (variables, mean loss per epoch).
 
-    Each epoch visits a seeded permutation of the data in full batches only, so the jitted
-    step compiles once; BatchNorm statistics (if any) are updated in train mode.
+    optimizer 'sgd' (optax, momentum) or 'adam' (lr, no momentum argument); the learning
+    rate warms up linearly over the first `warmup_steps` steps (the paper: 100). Each epoch
+    visits a seeded permutation of the data in full batches only, so the jitted step
+    compiles once; BatchNorm statistics (if any) are updated in train mode.
     """
     import jax
     import jax.numpy as jnp
+    import optax
 
     from fedjax_pan.algorithms import client_optimizer, local
 
-    # The library's local SGD step; full batches (mask all ones) make its loss the plain mean.
-    tx = client_optimizer(lr, momentum, weight_decay)
+    if optimizer not in ("sgd", "adam"):
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected 'sgd' or 'adam'")
+    # The library's local step; full batches (mask all ones) make its loss the plain mean.
+    tx = (client_optimizer(lr, momentum, weight_decay) if optimizer == "sgd" else
+          optax.chain(optax.add_decayed_weights(weight_decay), optax.adam(lr)))
     state = local.init_local(tx, variables, 1.0)
-    step = jax.jit(lambda s, b: local.sgd_step(model, tx, s, b))
+    warmup = "steps" if warmup_steps else "none"
+    step = jax.jit(lambda s, b: local.sgd_step(model, tx, s, b, warmup, warmup_steps))
 
     rng = np.random.default_rng(seed)
     n = len(y)

@@ -336,3 +336,24 @@ def test_cifar10_alignment_config_presets_are_valid():
             experiment.validate(experiment.apply_overrides(cfg, overrides))
     with pytest.raises(ValueError, match="nosuch"):
         module.get_config("nosuch")
+
+
+def test_centralised_runs_and_pairs_its_differences(tmp_path):
+    from experiments import centralised
+    out = str(tmp_path / "c")
+    assert centralised.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    runs = common.read_csv(os.path.join(out, "centralised_runs.csv"))
+    s = centralised.PRESETS["smoke"]
+    assert len(runs) == len(s.seeds) * len(s.optimizers) * len(s.variants)
+    assert {r["optimizer"] for r in runs} == {"sgd", "adam"}
+    assert all(0.0 <= float(r["test_accuracy"]) <= 1.0 for r in runs)
+    assert os.path.getsize(os.path.join(out, "fig30_centralised.png")) > 5000
+    # The paired difference by hand: two seeds, on - off per seed, then mean and std.
+    rows = [{"optimizer": "sgd", "variant": v, "kind": k, "amplitude": a, "seed": seed,
+             "test_accuracy": acc}
+            for v, k, a, seed, acc in [("off", "off", 0.0, 0, 0.80), ("off", "off", 0.0, 1, 0.90),
+                                       ("x", "mul", 0.1, 0, 0.78), ("x", "mul", 0.1, 1, 0.86)]]
+    off, on = centralised.summarize(rows)
+    assert (off["mean"], on["seeds"]) == (pytest.approx(0.85), 2)
+    assert on["diff_mean"] == pytest.approx(-0.03) and on["diff_std"] == pytest.approx(0.01)
+    assert off["diff_mean"] == 0.0
