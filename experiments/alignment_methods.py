@@ -113,10 +113,8 @@ def _curve(run_dir: str) -> List[Dict[str, Any]]:
         return [json.loads(line) for line in f]
 
 
+@common.resumable
 def run(s: Settings, ctx: common.Context) -> List[str]:
-    from fedjax_pan import experiment
-    from fedjax_pan.errors import TrainingDiverged
-
     rows, curves = [], {}
     total = len(s.settings) * len(s.methods) * len(s.seeds)
     done = 0
@@ -126,16 +124,8 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
                 name = f"{setting_name(setting)}_{method}_s{seed}"
                 done += 1
                 run_dir = ctx.path(os.path.join("runs", name))
-                try:
-                    summary = experiment.train(run_config(s, method, setting, seed), run_dir,
-                                               progress=ctx.progress,
-                                               desc=f"[{done}/{total}] {name}")
-                    diverged = False
-                except TrainingDiverged as e:  # an outcome to report, not a reason to stop
-                    print(f"{name}: {e}", file=sys.stderr)
-                    summary = {"final_accuracy": float("nan"), "best_accuracy": float("nan"),
-                               "wall_seconds": float("nan")}
-                    diverged = True
+                summary, diverged = common.train_run(run_config(s, method, setting, seed),
+                                                     run_dir, ctx, f"[{done}/{total}] {name}")
                 curve = _curve(run_dir)
                 curves[(setting, method, seed)] = curve
                 # FedAvg-like methods download the model they upload (its delta's size).

@@ -55,6 +55,7 @@ class Context:
     seed: int
     preset: str
     progress: bool
+    resume: bool = False  # keep finished runs, continue interrupted ones (sweep scripts)
 
     def path(self, name: str) -> str:
         return os.path.join(self.out, name)
@@ -70,18 +71,26 @@ def parse_args(argv: Optional[Sequence[str]], prog: str, description: str,
     p.add_argument("--preset", default="default", help=f"one of {', '.join(names)}")
     p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue in a non-empty --out: finished runs are kept, interrupted "
+                        "ones continue from their last checkpoint (sweep scripts)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide progress bars")
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.preset not in names:
         raise UsageError(f"unknown preset {args.preset!r}; expected one of {', '.join(names)}")
+    if args.resume and args.overwrite:
+        raise UsageError("--resume and --overwrite exclude each other")
     return args
 
 
-def check_out(path: str, overwrite: bool) -> None:
-    """The library's workdir check: a non-empty `path` is refused unless `overwrite`."""
+def check_out(path: str, overwrite: bool, resume: bool = False) -> None:
+    """The library's workdir check: a non-empty `path` is refused unless `overwrite` (or
+    `resume`: any folder, its runs are checked one by one)."""
     from fedjax_pan import workdir
     from fedjax_pan.errors import ConfigError
+    if resume:
+        return
     try:
         workdir.check(path, resume=False, overwrite=overwrite)
     except ConfigError as e:
@@ -102,17 +111,19 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
     description = (doc or "").strip()
     try:
         args = parse_args(argv, f"python -m experiments.{module}", description, presets)
-        check_out(args.out, args.overwrite)
+        if args.resume and not supports_resume(run):
+            raise UsageError(f"experiments.{module} has no --resume (its work is one piece)")
+        check_out(args.out, args.overwrite, args.resume)
     except (UsageError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "status", 2)
-    ctx = Context(args.out, args.seed, args.preset, args.progress)
+    ctx = Context(args.out, args.seed, args.preset, args.progress, args.resume)
     settings = presets[args.preset]
     start = time.time()
     try:
         # The library's workdir semantics: --overwrite replaces the old results only once
         # this run has written its own.
-        with workdir.claim(args.out, overwrite=args.overwrite):
+        with workdir.claim(args.out, overwrite=args.overwrite, resume=args.resume):
             lines = run(settings, ctx)
             seconds = time.time() - start
             write_json(ctx.path("run_info.json"), {
@@ -130,6 +141,43 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
         print(line)
     print(f"{module} ({args.preset}): {seconds:.1f} s, results in {args.out}")
     return 0
+
+
+def supports_resume(run: Callable[..., Any]) -> bool:
+    """Whether a script's `run` trains its runs through `train_run` (marked by it)."""
+    return bool(getattr(run, "resumable", False))
+
+
+def resumable(run: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a script's `run` as one that accepts --resume."""
+    run.resumable = True  # type: ignore[attr-defined]
+    return run
+
+
+def train_run(cfg: Any, run_dir: str, ctx: Context, desc: str) -> Tuple[Dict[str, Any], bool]:
+    """(summary, diverged) of one library run into `run_dir`. With --resume a finished run
+    (its summary.json written for this config) is read back, not trained again, and an
+    interrupted one continues from its checkpoint. A run that diverges is an outcome to
+    report, not a reason to stop the sweep: its summary holds NaNs."""
+    from fedjax_pan import experiment, workdir
+    from fedjax_pan.errors import TrainingDiverged
+
+    summary_path = os.path.join(run_dir, "summary.json")
+    started = os.path.isfile(os.path.join(run_dir, "config.json"))
+    if ctx.resume and started and os.path.isfile(summary_path):
+        saved = workdir.read_config(run_dir)
+        if saved == json.loads(cfg.to_json()):
+            with open(summary_path) as f:
+                summary = json.load(f)
+            if summary.get("rounds") == cfg.rounds:
+                return summary, False
+    try:
+        return experiment.train(cfg, run_dir, resume=ctx.resume and started,
+                                progress=ctx.progress, desc=desc), False
+    except TrainingDiverged as e:
+        print(f"{desc}: {e}", file=sys.stderr)
+        return {"final_accuracy": float("nan"), "best_accuracy": float("nan"),
+                "wall_seconds": float("nan")}, True
 
 
 # ----------------------------------------------------------------------------------------

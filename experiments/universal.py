@@ -90,9 +90,8 @@ def run_config(s: Settings, algorithm: str, pan: Pan, seed: int):
     return apply_overrides(cfg, ALGORITHMS[algorithm])
 
 
+@common.resumable
 def run(s: Settings, ctx: common.Context) -> List[str]:
-    from fedjax_pan import experiment
-
     rows = []
     total = len(s.algorithms) * len(s.pans) * len(s.seeds)
     done = 0
@@ -101,9 +100,9 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
             for seed in s.seeds:
                 name = f"{algorithm}_{pan_name(pan)}_s{seed}"
                 done += 1
-                summary = experiment.train(
-                    run_config(s, algorithm, pan, seed), ctx.path(os.path.join("runs", name)),
-                    progress=ctx.progress, desc=f"[{done}/{total}] {name}")
+                summary, _ = common.train_run(run_config(s, algorithm, pan, seed),
+                                              ctx.path(os.path.join("runs", name)), ctx,
+                                              f"[{done}/{total}] {name}")
                 rows.append({"algorithm": algorithm, "pan": pan_name(pan), "seed": seed,
                              "final_accuracy": summary["final_accuracy"],
                              "best_accuracy": summary["best_accuracy"],

@@ -357,3 +357,26 @@ def test_centralised_runs_and_pairs_its_differences(tmp_path):
     assert (off["mean"], on["seeds"]) == (pytest.approx(0.85), 2)
     assert on["diff_mean"] == pytest.approx(-0.03) and on["diff_std"] == pytest.approx(0.01)
     assert off["diff_mean"] == 0.0
+
+
+def test_sweeps_resume_keeping_finished_runs(tmp_path, capsys):
+    from experiments import alignment_methods as am
+    out = tmp_path / "a"
+    assert am.main(["--out", str(out), "--preset", "smoke", "--no-progress"]) == 0
+    first = common.read_csv(str(out / "alignment_runs.csv"))
+    finished = out / "runs" / "K4_R1_a0.5_E1_fedavg_s0" / "metrics.jsonl"
+    stamp = finished.stat().st_mtime_ns
+    # One run lost its summary (as if cut short after its last round): it is completed from
+    # its checkpoint; the finished ones are read back, not trained again.
+    os.remove(out / "runs" / "K4_R1_a0.5_E1_fedma_s0" / "summary.json")
+    assert am.main(["--out", str(out), "--preset", "smoke", "--no-progress", "--resume"]) == 0
+    again = common.read_csv(str(out / "alignment_runs.csv"))
+    assert finished.stat().st_mtime_ns == stamp
+    for a, b in zip(first, again):
+        assert (a["method"], a["final_accuracy"]) == (b["method"], b["final_accuracy"])
+    assert (out / "runs" / "K4_R1_a0.5_E1_fedma_s0" / "summary.json").exists()
+    capsys.readouterr()
+    assert am.main(["--out", str(out), "--preset", "smoke", "--resume", "--overwrite"]) == 2
+    assert fusion.main(["--out", str(tmp_path / "f"), "--preset", "smoke", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "exclude" in err[0] and "no --resume" in err[1]
