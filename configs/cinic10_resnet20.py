@@ -14,33 +14,11 @@ Presets (`--config=configs/cinic10_resnet20.py:<preset>`):
 
 import ml_collections
 
-from fedjax_pan.defaults import default_config
+from fedjax_pan.defaults import FIG9_PRESETS, fig9_config
 
-PANS = {"pans_off": {"amplitude": 0.0}, "pans_on": {"kind": "mul", "amplitude": 0.1}}
-SEARCH = {"pans_off": {"amplitude": 0.0},
-          "pan_add_a005": {"kind": "add", "amplitude": 0.05},
-          "pan_mul_a005": {"kind": "mul", "amplitude": 0.05},
-          "pan_mul_a01": {"kind": "mul", "amplitude": 0.1}}
-PRESETS = ("fig9", "pans_on", "pans_off", "search")
+PRESETS = FIG9_PRESETS
 
 
 def get_config(preset: str = "fig9") -> ml_collections.ConfigDict:
-    preset = preset or "fig9"
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r} for configs/cinic10_resnet20.py; expected "
-                         f"one of {', '.join(PRESETS)}")
-    c = default_config()
-    c.dataset.name = "cinic10"
-    c.model.name = "resnet20"
-    c.partition.scheme, c.partition.num_clients, c.partition.alpha = \
-        "dirichlet_by_client", 100, 0.1
-    c.participation = 0.1
-    c.local.epochs, c.local.batch_size = 5.0, 64
-    c.optimizer.lr = 0.1
-    c.rounds = 1000
-    if preset in PANS:
-        c.pan.update(PANS[preset])
-    else:
-        grid = PANS if preset == "fig9" else SEARCH
-        c.variants = {name: {"pan": dict(pan)} for name, pan in grid.items()}
-    return c
+    return fig9_config(preset, "configs/cinic10_resnet20.py", **{
+        "dataset.name": "cinic10", "model.name": "resnet20", "optimizer.lr": 0.1})

@@ -20,33 +20,14 @@ Presets (`--config=configs/femnist_mlp.py:<preset>`):
 
 import ml_collections
 
-from fedjax_pan.defaults import default_config
+from fedjax_pan.defaults import FIG9_PRESETS, fig9_config
+
+PRESETS = FIG9_PRESETS
 
 WRITERS = 359  # floor(0.1 * 3,597): LEAF's current FEMNIST release
-PANS = {"pans_off": {"amplitude": 0.0}, "pans_on": {"kind": "mul", "amplitude": 0.1}}
-SEARCH = {"pans_off": {"amplitude": 0.0},
-          "pan_add_a005": {"kind": "add", "amplitude": 0.05},
-          "pan_mul_a005": {"kind": "mul", "amplitude": 0.05},
-          "pan_mul_a01": {"kind": "mul", "amplitude": 0.1}}
-PRESETS = ("fig9", "pans_on", "pans_off", "search")
 
 
 def get_config(preset: str = "fig9") -> ml_collections.ConfigDict:
-    preset = preset or "fig9"
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r} for configs/femnist_mlp.py; expected "
-                         f"one of {', '.join(PRESETS)}")
-    c = default_config()
-    c.dataset.name = "femnist"
-    c.model.name = "mlp"
-    c.partition.scheme, c.partition.num_clients = "natural", WRITERS
-    c.participation = 0.1
-    c.local.epochs, c.local.batch_size = 5.0, 10
-    c.optimizer.lr = 0.05
-    c.rounds = 1000
-    if preset in PANS:
-        c.pan.update(PANS[preset])
-    else:
-        grid = PANS if preset == "fig9" else SEARCH
-        c.variants = {name: {"pan": dict(pan)} for name, pan in grid.items()}
-    return c
+    return fig9_config(preset, "configs/femnist_mlp.py", **{
+        "dataset.name": "femnist", "model.name": "mlp", "partition.scheme": "natural",
+        "partition.num_clients": WRITERS, "local.batch_size": 10})

@@ -33,10 +33,7 @@ round), alignment_methods.json, alignment_methods.png (accuracy curves, mean ove
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
-import warnings
 from types import MappingProxyType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -108,42 +105,31 @@ def run_config(s: Settings, method: str, setting: Tuple[int, float, float, float
     return cfg
 
 
-def _curve(run_dir: str) -> List[Dict[str, Any]]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 @common.resumable
 def run(s: Settings, ctx: common.Context) -> List[str]:
+    keys = [(setting, method, seed) for setting in s.settings for method in s.methods
+            for seed in s.seeds]
+    results = common.train_runs(ctx, [(f"{setting_name(st)}_{m}_s{seed}",
+                                       run_config(s, m, st, seed)) for st, m, seed in keys])
     rows, curves = [], {}
-    total = len(s.settings) * len(s.methods) * len(s.seeds)
-    done = 0
-    for setting in s.settings:
-        for method in s.methods:
-            for seed in s.seeds:
-                name = f"{setting_name(setting)}_{method}_s{seed}"
-                done += 1
-                run_dir = ctx.path(os.path.join("runs", name))
-                summary, diverged = common.train_run(run_config(s, method, setting, seed),
-                                                     run_dir, ctx, f"[{done}/{total}] {name}")
-                curve = _curve(run_dir)
-                curves[(setting, method, seed)] = curve
-                # FedAvg-like methods download the model they upload (its delta's size).
-                up = [r["upload_bytes"] for r in curve]
-                down = [r.get("download_bytes", r["upload_bytes"]) for r in curve]
-                rows.append({"setting": setting_name(setting), "method": method, "seed": seed,
-                             "final_accuracy": summary["final_accuracy"],
-                             "best_accuracy": summary["best_accuracy"],
-                             "diverged": diverged, "rounds_logged": len(curve),
-                             "seconds_per_round": float(np.mean([r["seconds"]
-                                                                 for r in curve])),
-                             "upload_bytes_per_round": float(np.mean(up)),
-                             "download_bytes_per_round": float(np.mean(down)),
-                             "wall_seconds": summary["wall_seconds"],
-                             # FedMA's grown hidden widths after the last round.
-                             "hidden_widths": "-".join(
-                                 str(int(v)) for k, v in curve[-1].items()
-                                 if k.startswith("train_width_")) if curve else ""})
+    for (setting, method, seed), (summary, diverged, curve) in zip(keys, results):
+        curves[(setting, method, seed)] = curve
+        # FedAvg-like methods download the model they upload (its delta's size).
+        up = [r["upload_bytes"] for r in curve]
+        down = [r.get("download_bytes", r["upload_bytes"]) for r in curve]
+        rows.append({"setting": setting_name(setting), "method": method, "seed": seed,
+                     "final_accuracy": summary["final_accuracy"],
+                     "best_accuracy": summary["best_accuracy"],
+                     "diverged": diverged, "rounds_logged": len(curve),
+                     "seconds_per_round": float(np.mean([r["seconds"]
+                                                         for r in curve])),
+                     "upload_bytes_per_round": float(np.mean(up)),
+                     "download_bytes_per_round": float(np.mean(down)),
+                     "wall_seconds": summary["wall_seconds"],
+                     # FedMA's grown hidden widths after the last round.
+                     "hidden_widths": "-".join(
+                         str(int(v)) for k, v in curve[-1].items()
+                         if k.startswith("train_width_")) if curve else ""})
     common.write_csv(ctx.path("alignment_runs.csv"), rows)
     table = summarize(rows)
     common.write_csv(ctx.path("alignment_methods.csv"), table)
@@ -167,12 +153,8 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     for setting, method in dict.fromkeys((r["setting"], r["method"]) for r in rows):
         mine = [r for r in rows if r["setting"] == setting and r["method"] == method]
-        acc = np.asarray([r["final_accuracy"] for r in mine if not r.get("diverged")])
         mean = lambda key: float(np.mean([r[key] for r in mine]))  # noqa: E731
-        out.append({"setting": setting, "method": method,
-                    "mean": float(acc.mean()) if acc.size else float("nan"),
-                    "std": float(acc.std()) if acc.size else float("nan"),
-                    "seeds": len(mine), "diverged": len(mine) - len(acc),
+        out.append({"setting": setting, "method": method, **common.accuracy_stats(mine),
                     "seconds_per_round": mean("seconds_per_round"),
                     "upload_mib": mean("upload_bytes_per_round") / 2**20,
                     "download_mib": mean("download_bytes_per_round") / 2**20})
@@ -190,15 +172,8 @@ def plot(curves: Dict[Any, List[Dict[str, Any]]], s: Settings, path: str) -> str
               "fed2": "tab:red"}
     for ax, setting in zip(axes, s.settings):
         for method in s.methods:
-            runs = [curves[(setting, method, seed)] for seed in s.seeds]
-            rounds = [r["round"] for r in max(runs, key=len)]
-            # A diverged run's curve stops early; the mean is over the runs still going.
-            acc = np.full((len(runs), len(rounds)), np.nan)
-            for i, run_ in enumerate(runs):
-                acc[i, :len(run_)] = [r["test_accuracy"] for r in run_]
-            with warnings.catch_warnings():  # rounds no run reached: NaN, not plotted
-                warnings.simplefilter("ignore", RuntimeWarning)
-                acc = 100 * np.nanmean(acc, axis=0)
+            rounds, acc = common.mean_curve([curves[(setting, method, seed)]
+                                             for seed in s.seeds])
             ax.plot(rounds, acc, label=method, color=colors.get(method),
                     linestyle="--" if method.endswith("_pans") else "-", marker=".")
         k, r, alpha, e = setting

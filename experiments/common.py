@@ -180,6 +180,47 @@ def train_run(cfg: Any, run_dir: str, ctx: Context, desc: str) -> Tuple[Dict[str
                 "wall_seconds": float("nan")}, True
 
 
+def read_curve(run_dir: str) -> List[Dict[str, Any]]:
+    """A library run's metrics.jsonl rows."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_runs(ctx: Context, jobs: Sequence[Tuple[str, Any]]
+               ) -> List[Tuple[Dict[str, Any], bool, List[Dict[str, Any]]]]:
+    """Each (name, config) trained in order into runs/<name>/ (`train_run`): its summary,
+    whether it diverged, and its metrics rows."""
+    out = []
+    for n, (name, cfg) in enumerate(jobs, start=1):
+        run_dir = ctx.path(os.path.join("runs", name))
+        summary, diverged = train_run(cfg, run_dir, ctx, f"[{n}/{len(jobs)}] {name}")
+        out.append((summary, diverged, read_curve(run_dir)))
+    return out
+
+
+def accuracy_stats(rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Mean and std (ddof 0) of `final_accuracy` over the rows that did not diverge, how
+    many rows (`seeds`) and how many diverged."""
+    acc = np.asarray([r["final_accuracy"] for r in rows if not r.get("diverged")])
+    return {"mean": float(acc.mean()) if acc.size else float("nan"),
+            "std": float(acc.std()) if acc.size else float("nan"),
+            "seeds": len(rows), "diverged": len(rows) - len(acc)}
+
+
+def mean_curve(runs: Sequence[Sequence[Mapping[str, Any]]]) -> Tuple[List[int], np.ndarray]:
+    """(rounds, mean test accuracy in %) over runs; a diverged run's curve stops early and
+    the mean at later rounds is over the runs still going."""
+    import warnings
+
+    rounds = [r["round"] for r in max(runs, key=len)]
+    acc = np.full((len(runs), len(rounds)), np.nan)
+    for i, run in enumerate(runs):
+        acc[i, :len(run)] = [r["test_accuracy"] for r in run]
+    with warnings.catch_warnings():  # rounds no run reached: NaN, not plotted
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return rounds, 100 * np.nanmean(acc, axis=0)
+
+
 # ----------------------------------------------------------------------------------------
 # Files.
 # ----------------------------------------------------------------------------------------

@@ -27,10 +27,7 @@ fed2_compare.png (accuracy curves, mean over seeds, one panel per C).
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import sys
-import warnings
 from types import MappingProxyType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -97,33 +94,22 @@ def run_config(s: Settings, method: str, classes: int, seed: int):
     return cfg
 
 
-def _curve(run_dir: str) -> List[Dict[str, Any]]:
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
 @common.resumable
 def run(s: Settings, ctx: common.Context) -> List[str]:
+    keys = [(method, classes, seed) for classes in s.classes for method in s.methods
+            for seed in s.seeds]
+    results = common.train_runs(ctx, [(f"{m}_c{c}_s{seed}", run_config(s, m, c, seed))
+                                      for m, c, seed in keys])
     rows, curves = [], {}
-    total = len(s.classes) * len(s.methods) * len(s.seeds)
-    done = 0
-    for classes in s.classes:
-        for method in s.methods:
-            for seed in s.seeds:
-                name = f"{method}_c{classes}_s{seed}"
-                done += 1
-                run_dir = ctx.path(os.path.join("runs", name))
-                summary, diverged = common.train_run(run_config(s, method, classes, seed),
-                                                     run_dir, ctx, f"[{done}/{total}] {name}")
-                curve = _curve(run_dir)
-                curves[(method, classes, seed)] = curve
-                rows.append({"method": method, "classes": classes, "seed": seed,
-                             "final_accuracy": summary["final_accuracy"],
-                             "best_accuracy": summary["best_accuracy"],
-                             "diverged": diverged, "rounds_logged": len(curve),
-                             "upload_bytes_per_client": float(np.mean(
-                                 [r["upload_bytes"] for r in curve])) / s.num_clients,
-                             "wall_seconds": summary["wall_seconds"]})
+    for (method, classes, seed), (summary, diverged, curve) in zip(keys, results):
+        curves[(method, classes, seed)] = curve
+        rows.append({"method": method, "classes": classes, "seed": seed,
+                     "final_accuracy": summary["final_accuracy"],
+                     "best_accuracy": summary["best_accuracy"],
+                     "diverged": diverged, "rounds_logged": len(curve),
+                     "upload_bytes_per_client": float(np.mean(
+                         [r["upload_bytes"] for r in curve])) / s.num_clients,
+                     "wall_seconds": summary["wall_seconds"]})
     common.write_csv(ctx.path("fed2_runs.csv"), rows)
     table = summarize(rows)
     common.write_csv(ctx.path("fed2_compare.csv"), table)
@@ -146,11 +132,7 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     out = []
     for classes, method in dict.fromkeys((r["classes"], r["method"]) for r in rows):
         mine = [r for r in rows if r["classes"] == classes and r["method"] == method]
-        acc = np.asarray([r["final_accuracy"] for r in mine if not r.get("diverged")])
-        out.append({"classes": classes, "method": method,
-                    "mean": float(acc.mean()) if acc.size else float("nan"),
-                    "std": float(acc.std()) if acc.size else float("nan"),
-                    "seeds": len(mine), "diverged": len(mine) - len(acc),
+        out.append({"classes": classes, "method": method, **common.accuracy_stats(mine),
                     "upload_mib": float(np.mean([r["upload_bytes_per_client"]
                                                  for r in mine])) / 2**20})
     return out
@@ -166,15 +148,8 @@ def plot(curves: Dict[Tuple[str, int, int], List[Dict[str, Any]]], s: Settings,
     axes = np.atleast_1d(fig.subplots(1, len(s.classes), squeeze=False)[0])
     for ax, classes in zip(axes, s.classes):
         for method in s.methods:
-            runs = [curves[(method, classes, seed)] for seed in s.seeds]
-            rounds = [r["round"] for r in max(runs, key=len)]
-            # A diverged run's curve stops early; the mean is over the runs still going.
-            acc = np.full((len(runs), len(rounds)), np.nan)
-            for i, run in enumerate(runs):
-                acc[i, :len(run)] = [r["test_accuracy"] for r in run]
-            with warnings.catch_warnings():  # rounds no run reached: NaN, not plotted
-                warnings.simplefilter("ignore", RuntimeWarning)
-                acc = 100 * np.nanmean(acc, axis=0)
+            rounds, acc = common.mean_curve([curves[(method, classes, seed)]
+                                             for seed in s.seeds])
             ax.plot(rounds, acc, label=method, linestyle="--" if "pans" in method else "-",
                     color={"fedavg": "tab:blue", "fed2": "tab:red"}.get(
                         method.split("_")[0], "tab:green"))

@@ -20,7 +20,6 @@ setting), universal.json, fig9_universal.png.
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from types import MappingProxyType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -92,21 +91,15 @@ def run_config(s: Settings, algorithm: str, pan: Pan, seed: int):
 
 @common.resumable
 def run(s: Settings, ctx: common.Context) -> List[str]:
-    rows = []
-    total = len(s.algorithms) * len(s.pans) * len(s.seeds)
-    done = 0
-    for algorithm in s.algorithms:
-        for pan in s.pans:
-            for seed in s.seeds:
-                name = f"{algorithm}_{pan_name(pan)}_s{seed}"
-                done += 1
-                summary, _ = common.train_run(run_config(s, algorithm, pan, seed),
-                                              ctx.path(os.path.join("runs", name)), ctx,
-                                              f"[{done}/{total}] {name}")
-                rows.append({"algorithm": algorithm, "pan": pan_name(pan), "seed": seed,
-                             "final_accuracy": summary["final_accuracy"],
-                             "best_accuracy": summary["best_accuracy"],
-                             "wall_seconds": summary["wall_seconds"]})
+    keys = [(algorithm, pan, seed) for algorithm in s.algorithms for pan in s.pans
+            for seed in s.seeds]
+    results = common.train_runs(ctx, [(f"{a}_{pan_name(p)}_s{seed}", run_config(s, a, p, seed))
+                                      for a, p, seed in keys])
+    rows = [{"algorithm": algorithm, "pan": pan_name(pan), "seed": seed,
+             "final_accuracy": summary["final_accuracy"],
+             "best_accuracy": summary["best_accuracy"], "diverged": diverged,
+             "wall_seconds": summary["wall_seconds"]}
+            for (algorithm, pan, seed), (summary, diverged, _) in zip(keys, results)]
     common.write_csv(ctx.path("universal_runs.csv"), rows)
     table = summarize(rows)
     common.write_csv(ctx.path("universal.csv"), table)
@@ -121,14 +114,12 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
 
 
 def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Mean and std (ddof 0) of the final accuracy per algorithm and PAN setting."""
+    """Mean and std (ddof 0) of the final accuracy per algorithm and PAN setting, over the
+    runs that did not diverge (`diverged` counts the others)."""
     out = []
-    keys = dict.fromkeys((r["algorithm"], r["pan"]) for r in rows)
-    for algorithm, pan in keys:
-        acc = np.asarray([r["final_accuracy"] for r in rows
-                          if r["algorithm"] == algorithm and r["pan"] == pan])
-        out.append({"algorithm": algorithm, "pan": pan, "mean": float(acc.mean()),
-                    "std": float(acc.std()), "seeds": len(acc)})
+    for algorithm, pan in dict.fromkeys((r["algorithm"], r["pan"]) for r in rows):
+        mine = [r for r in rows if r["algorithm"] == algorithm and r["pan"] == pan]
+        out.append({"algorithm": algorithm, "pan": pan, **common.accuracy_stats(mine)})
     return out
 
 

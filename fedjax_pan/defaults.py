@@ -5,6 +5,7 @@ command line, e.g. `--config.partition.min_size=10`.
 """
 
 import copy
+from typing import Any, Mapping
 
 import ml_collections
 from ml_collections.config_dict import placeholder
@@ -59,4 +60,49 @@ def default_config() -> ml_collections.ConfigDict:
             # A copy: placeholders are mutable references, never shared between configs.
             c[name] = ml_collections.ConfigDict(copy.deepcopy(entry.options))
     c.variants = ml_collections.ConfigDict()
+    return c
+
+
+def set_keys(cfg: ml_collections.ConfigDict, changes: Mapping[str, Any]
+             ) -> ml_collections.ConfigDict:
+    """Sets dotted keys ({'fedma.sigma': 2.0}) of `cfg` in place; returns it."""
+    for key, value in changes.items():
+        *parents, leaf = key.split(".")
+        node = cfg
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return cfg
+
+
+# The PAN settings of the paper's Fig. 9 panels: off vs PANx (T = 1, A = 0.1), and the three
+# settings whose best the paper reports.
+FIG9_PANS = {"pans_off": {"amplitude": 0.0}, "pans_on": {"kind": "mul", "amplitude": 0.1}}
+FIG9_SEARCH = {"pans_off": {"amplitude": 0.0},
+               "pan_add_a005": {"kind": "add", "amplitude": 0.05},
+               "pan_mul_a005": {"kind": "mul", "amplitude": 0.05},
+               "pan_mul_a01": {"kind": "mul", "amplitude": 0.1}}
+FIG9_PRESETS = ("fig9", "pans_on", "pans_off", "search")
+
+
+def fig9_config(preset: str, source: str, **changes: Any) -> ml_collections.ConfigDict:
+    """A Fig. 9 panel: FedAvg, K = 100, R = 0.1, E = 5, B = 64, H = 1000, Dirichlet 0.1 by
+    client, with `changes` ({'dataset.name': ..., 'model.name': ...}, dotted keys); preset
+    'fig9' runs PANs off vs on as variants, 'pans_on' / 'pans_off' one of them, 'search'
+    the paper's three settings and off. `source` names the config file in errors."""
+    preset = preset or "fig9"
+    if preset not in FIG9_PRESETS:
+        raise ValueError(f"unknown preset {preset!r} for {source}; expected one of "
+                         f"{', '.join(FIG9_PRESETS)}")
+    c = default_config()
+    c.partition.scheme, c.partition.num_clients, c.partition.alpha = \
+        "dirichlet_by_client", 100, 0.1
+    c.participation, c.local.epochs, c.local.batch_size = 0.1, 5.0, 64
+    c.optimizer.lr, c.rounds = 0.05, 1000
+    set_keys(c, changes)
+    if preset in FIG9_PANS:
+        c.pan.update(FIG9_PANS[preset])
+    else:
+        grid = FIG9_PANS if preset == "fig9" else FIG9_SEARCH
+        c.variants = {name: {"pan": dict(pan)} for name, pan in grid.items()}
     return c

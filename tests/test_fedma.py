@@ -193,7 +193,7 @@ def test_widths_bytes_and_strategies(clients):
         np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5)
 
 
-def _config(tmp_path=None, **overrides):
+def _config(**overrides):
     c = defaults.default_config()
     c.algorithm = "fedma"
     c.pan.amplitude = 0.0
@@ -206,13 +206,7 @@ def _config(tmp_path=None, **overrides):
     c.local.batch_size = 32
     c.rounds = 2
     c.fedma.retrain_epochs = 1.0
-    for key, value in overrides.items():
-        node = c
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node[p]
-        node[leaf] = value
-    return c
+    return defaults.set_keys(c, overrides)
 
 
 def test_config_run_resumes_with_grown_widths(tmp_path):
