@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from fedjax_pan import experiment
+from fedjax_pan import defaults, experiment
 from fedjax_pan.engine import count_compiles
 
 
@@ -22,13 +22,7 @@ def config(preset="smoke", **changes):
     spec.loader.exec_module(module)
     cfg = module.get_config(preset)
     cfg.dataset.name = "synthetic"  # fast and always available
-    for key, value in changes.items():
-        node = cfg
-        *path, last = key.split("__")
-        for part in path:
-            node = node[part]
-        node[last] = value
-    return cfg
+    return defaults.set_keys(cfg, {k.replace("__", "."): v for k, v in changes.items()})
 
 
 def metrics(workdir):
