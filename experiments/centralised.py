@@ -11,7 +11,7 @@ with its spread.
 Presets:
   default  Fashion-MNIST, the paper's MLP (784-1024x3-10), 5 epochs (the paper: 30 on
            FeMnist), PAN+ A in {0.05, 0.1, 0.25}, PANx A in {0.1, 0.25, 0.5, 0.75}, seeds
-           0, 1, 2 (about 25 s per run on 2 CPU cores; 48 runs)
+           0, 1, 2 (48 runs, 43 minutes on 2 CPU cores)
   paper    30 epochs, PAN+ A in {0.01, 0.05, 0.1, 0.25}, PANx A in {0.05, 0.1, 0.25, 0.5,
            0.75}, seeds 0, 1, 2
   smoke    synthetic data, a 64-wide MLP, 1 epoch, one A per kind, seed 0
