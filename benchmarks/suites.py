@@ -840,7 +840,7 @@ def driver_rows(settings: Settings, w: Workload, cfg: Any, strategy: str,
         with cfg.unlocked():
             cfg.algorithm, cfg.participation = name, m_per / w.data.num_clients
             cfg.execution.strategy = strategy
-        driver = entry.driver(model, cfg, w.data, w.work)
+        driver = entry.driver(model, cfg, client_tx, w.data, w.work)
         m = time_engine(driver, variables, None, settings.warmup, reps, settings.slow_round_s)
         stats = m.last_stats
         rec = {"seconds_per_round": float(np.median(m.train_s)), "reps": len(m.train_s),

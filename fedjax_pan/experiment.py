@@ -25,8 +25,8 @@ from fedjax_pan import algorithms, models, permutation, schema
 from fedjax_pan import data as data_lib
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.algorithms.shuffle import with_shuffling
-from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, count_compiles,
-                               make_evaluator, make_executor, resolve_strategy)
+from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, clients_per_round,
+                               count_compiles, make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.simulation import SimState
 from fedjax_pan.errors import ConfigError, Interrupted, TrainingDiverged, WorkdirError
 
@@ -146,9 +146,7 @@ def build(cfg: ml_collections.ConfigDict,
     p = cfg.partition
     if p.scheme == "natural":
         # The data decide the clients (FEMNIST: its sampled writers); say how many there are.
-        _check(ds.train_groups is not None,
-               f"config.partition.scheme='natural' needs natural clients, which dataset "
-               f"{ds.name!r} does not have")
+        # (The schema has refused datasets without writer groups.)
         groups = len(np.unique(ds.train_groups))
         _check(p.num_clients == groups,
                f"config.partition.num_clients={p.num_clients}, but partition.scheme='natural' "
@@ -177,15 +175,16 @@ def build(cfg: ml_collections.ConfigDict,
                      cfg.local.local_steps, _augment(cfg, ds))
     evaluate = make_evaluator(model, test_x, ds.test_labels, cfg.eval.batch_size,
                               ds.num_classes)
+    strategy = resolve_strategy(cfg.execution.strategy, variables)
     driver = algorithms.ALGORITHMS[cfg.algorithm].driver
     if driver is not None:  # rounds run by the algorithm's own driver (e.g. FedMA)
         _check(cfg.shuffle.n_sf == 0, f"config.shuffle.n_sf > 0 (Alg. 2) is not available "
                f"with algorithm {cfg.algorithm!r}: set shuffle.n_sf=0")
         try:
-            simulation = driver(model, cfg, client_data, work)
+            simulation = driver(model, cfg, algorithms.registry.client_tx(cfg), client_data,
+                                work)
         except ValueError as e:
             raise ConfigError(f"config.{cfg.algorithm}: {e}") from None
-        strategy = resolve_strategy(cfg.execution.strategy, variables)
         return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy)
     try:
         algorithm = algorithms.from_config(model, cfg)
@@ -196,10 +195,9 @@ def build(cfg: ml_collections.ConfigDict,
         spec = permutation.spec_for(model, variables)
         algorithm = with_shuffling(algorithm, spec, cfg.shuffle.p_sf, cfg.shuffle.n_sf,
                                    cfg.shuffle.window)
-    sim_m = max(1, int(round(cfg.participation * len(parts))))
-    strategy = resolve_strategy(cfg.execution.strategy, variables)
     try:
-        executor = make_executor(strategy, algorithm, work, client_data, variables, sim_m,
+        executor = make_executor(strategy, algorithm, work, client_data, variables,
+                                 clients_per_round(cfg.participation, len(parts)),
                                  cfg.execution.block_size)
     except ValueError as e:
         raise ConfigError(f"config.execution: {e}") from None

@@ -10,5 +10,6 @@ from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.registry import ALGORITHMS, from_config, server_optimizer
 
 __all__ = ["Aggregator", "ClientContext", "FederatedAlgorithm", "RoundInfo", "median",
-           "no_client_state", "trimmed_mean", "weighted_mean", "weighted_sum", "fed2", "fedavg",
-           "fedprox", "client_optimizer", "server_optimizer", "ALGORITHMS", "from_config"]
+           "no_client_state", "tree_bytes", "trimmed_mean", "weighted_mean", "weighted_sum",
+           "fed2", "fedavg", "fedprox", "client_optimizer", "server_optimizer", "ALGORITHMS",
+           "from_config"]

@@ -135,7 +135,8 @@ class AlgorithmEntry(NamedTuple):
     and the defaults and rules (`fedjax_pan.rules`) of its namespace config.<name>.
 
     An algorithm whose round cannot be one compiled federated round (FedMA: matching on
-    the host, a model that grows) gives a `driver(model, cfg, client_data, local_work)`
+    the host, a model that grows) gives a
+    `driver(model, cfg, client_tx, client_data, local_work)`
     returning an object with `engine.Simulation`'s interface (init, round, evaluation,
     num_sampled, shapes_change); the engine runs it as it runs a Simulation.
     """

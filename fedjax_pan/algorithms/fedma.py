@@ -210,12 +210,11 @@ class FedMA:
     shapes_change = True
 
     def __post_init__(self):
-        from fedjax_pan.engine.simulation import clients_per_round
+        from fedjax_pan.engine.simulation import clients_per_round, stream_keys
         check_model(self.model)
         self.num_sampled = clients_per_round(self.participation, self.data.num_clients)
         self.hidden = tuple(models.widths(self.model))
-        key = jax.random.PRNGKey(self.seed)
-        self._data_key, self._algo_key = jax.random.fold_in(key, 1), jax.random.fold_in(key, 2)
+        self._data_key, self._algo_key = stream_keys(self.seed)
         self._executors: Dict[Any, Any] = {}
 
     def init(self, variables: Variables):
@@ -307,16 +306,17 @@ class FedMA:
         return SimState({"params": params}, None, r + 1), stats
 
 
-def from_config(model: nn.Module, cfg: Any, data: Any, work: Any) -> FedMA:
-    """The FedMA driver `cfg` describes (config.fedma, optimizer, local, execution)."""
+def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                data: Any, work: Any) -> FedMA:
+    """The FedMA driver `cfg` describes (config.fedma, local, execution), its clients
+    training with `client_tx`."""
     from fedjax_pan.engine.clients import LocalWork
     o = cfg.fedma
     epochs = work.epochs if o.retrain_epochs is None else o.retrain_epochs
     retrain = (None if epochs == 0 else
                LocalWork(work.batch_size, epochs, work.mode, work.local_steps, work.augment))
     opt = cfg.optimizer
-    tx = local_lib.client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip)
-    return FedMA(model, tx, data, work, retrain, cfg.participation, cfg.seed,
+    return FedMA(model, client_tx, data, work, retrain, cfg.participation, cfg.seed,
                  cfg.execution.strategy, cfg.execution.block_size, o.sigma, o.sigma0,
                  o.mu0_bias, o.gamma, int(o.iterations), opt.warmup, opt.warmup_length)
 

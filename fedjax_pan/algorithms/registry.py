@@ -67,14 +67,19 @@ def aggregator(rule: str, trim: float) -> core.Aggregator:
     raise ValueError(f"unknown aggregation rule {rule!r}; expected one of {AGGREGATION_RULES}")
 
 
+def client_tx(cfg: Any) -> optax.GradientTransformation:
+    """The clients' local optimiser `cfg.optimizer` describes."""
+    opt = cfg.optimizer
+    return client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip)
+
+
 def from_config(model: nn.Module, cfg: Any) -> FederatedAlgorithm:
     """The algorithm `cfg.algorithm` for `model`, configured by `cfg`."""
     if cfg.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {cfg.algorithm!r}; available: {sorted(ALGORITHMS)}")
-    opt, server = cfg.optimizer, cfg.server
-    client_tx = client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip)
+    server = cfg.server
     server_tx = server_optimizer(server.optimizer, server.lr, server.momentum)
-    algorithm = ALGORITHMS[cfg.algorithm].build(model, cfg, client_tx, server_tx)
+    algorithm = ALGORITHMS[cfg.algorithm].build(model, cfg, client_tx(cfg), server_tx)
     rule = cfg.aggregation.rule
     if rule != "mean":
         if algorithm.aggregator is not core.weighted_mean:

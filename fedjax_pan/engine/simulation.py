@@ -11,7 +11,7 @@ for the sampled ones.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, NamedTuple, Optional
+from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,13 @@ class SimState(NamedTuple):
     server: PyTree
     client_states: PyTree  # stacked over all K clients, or None
     round: int  # rounds completed
+
+
+def stream_keys(seed: int) -> Tuple[jax.Array, jax.Array]:
+    """(data key, algorithm key) of a run: batch orders and client_init's keys come from
+    separate streams of the config seed."""
+    key = jax.random.PRNGKey(seed)
+    return jax.random.fold_in(key, _DATA_STREAM), jax.random.fold_in(key, _ALGO_STREAM)
 
 
 def clients_per_round(participation: float, num_clients: int) -> int:
@@ -67,9 +74,7 @@ class Simulation:
             raise ValueError(f"participation R must lie in (0, 1], got {self.participation}")
         self.num_sampled = clients_per_round(self.participation, self.data.num_clients)
         self.steps = self.work.num_steps(self.data.sizes)
-        key = jax.random.PRNGKey(self.seed)
-        self._data_key = jax.random.fold_in(key, _DATA_STREAM)
-        self._algo_key = jax.random.fold_in(key, _ALGO_STREAM)
+        self._data_key, self._algo_key = stream_keys(self.seed)
         self._server_update = jax.jit(self._aggregate_and_update)
         self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
             lambda a, n: a.at[ids].set(n), all_, new), donate_argnums=(0,))
