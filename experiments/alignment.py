@@ -21,9 +21,13 @@ activations, whose silent neurons are interchangeable; `dead_neurons` counts the
 The paper uses Mnist, H = 20, E = 20. Presets: paper (full data, H = 20, E = 20, all test
 samples for preferences), default (a 20,000-example subset, H = 5 rounds of E = 2, then 10
 local epochs for the analysed client), smoke (synthetic data, small MLP, K = 4).
-Outputs: alignment.json, alignment.csv, fig7_assignment_<layer>_<off|on>.png,
-fig8_preferences_<layer>_<off|on>.png (the first `show_neurons` neurons; agreement in the
-JSON counts all of them).
+Every analysis runs with seeds 0, 1, 2 (smoke: 0, 1); PANs off and on of a seed share the
+partition, cohorts, initial weights and the analysed client, and the effect is reported as
+the paired difference on - off with its spread. --resume keeps finished seeds.
+Outputs: alignment.json, alignment.csv (per seed), alignment_summary.csv (mean / std off
+and on, paired difference), fig7_assignment_<layer>_<off|on>.png,
+fig8_preferences_<layer>_<off|on>.png (first seed; the first `show_neurons` neurons;
+agreement in the JSON counts all of them).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from types import MappingProxyType
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -54,6 +58,7 @@ class Settings:
     pre_relu: bool = True  # the authors' neuron representation
     preference_layers: Tuple[str, ...] = ("fc2", "fc3", "head")
     show_neurons: int = 64
+    seeds: Tuple[int, ...] = (0, 1, 2)  # figures show the first
 
 
 PRESETS = MappingProxyType({
@@ -64,7 +69,7 @@ PRESETS = MappingProxyType({
                                     alpha=1.0, epochs=1.0, rounds=2, warmup="none",
                                     strategy="loop"),
                       local_epochs=2.0, num_samples=100, preference_samples=200,
-                      show_neurons=16),
+                      show_neurons=16, seeds=(0, 1)),
 })
 
 
@@ -81,15 +86,18 @@ def analysed_client(cfg: Any, state: Any, local_epochs: Optional[float]
     return client, common.local_variables(exp, state)[0]
 
 
-def run(s: Settings, ctx: common.Context) -> List[str]:
+def one_seed(s: Settings, ctx: common.Context, seed: int) -> Dict[str, Any]:
+    """PANs off and on from one seed: {"results": {side: analyses}, "rows": csv rows}; the
+    figures are drawn for the first seed."""
     results, rows = {}, []
+    draw = seed == s.seeds[0]
     for name, pan in (("off", common.PANS_OFF), ("on", s.pan_on)):
-        cfg = common.fl_config(s.setup, pan, ctx.seed)
-        exp, state, info = common.train_fl(cfg, ctx.progress, f"PANs {name}")
+        cfg = common.fl_config(s.setup, pan, seed)
+        exp, state, info = common.train_fl(cfg, ctx.progress, f"s{seed} PANs {name}")
         glob = common.global_variables(exp, state)
         client, local = analysed_client(cfg, state, s.local_epochs)
-        x, _ = common.sample_test_inputs(exp, s.num_samples, ctx.seed)
-        px, py = common.sample_test_inputs(exp, s.preference_samples, ctx.seed + 1)
+        x, _ = common.sample_test_inputs(exp, s.num_samples, seed)
+        px, py = common.sample_test_inputs(exp, s.preference_samples, seed + 1)
         res = {"pan": pan, "client": client, "test_accuracy": info["test_accuracy"],
                "train_loss": info["train_loss"], "diagonal_ratio": {}, "class_agreement": {},
                "layer_width": {}, "dead_neurons": {}, "diagonal_ratio_live": {},
@@ -107,9 +115,11 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
                 perm[live] == np.arange(len(perm))[live])) if live.any() else float("nan")
             res["dead_neurons"][layer] = int(np.sum(~live))
             res["layer_width"][layer] = len(perm)
-            plot_assignment(perm, title=f"{layer}, PANs {name}",
-                            path=ctx.path(f"fig7_assignment_{layer}_{name}.png"))
-            rows.append({"pans": name, "analysis": "diagonal_ratio", "layer": layer,
+            if draw:
+                plot_assignment(perm, title=f"{layer}, PANs {name} (seed {seed})",
+                                path=ctx.path(f"fig7_assignment_{layer}_{name}.png"))
+            rows.append({"seed": seed, "pans": name, "analysis": "diagonal_ratio",
+                         "layer": layer,
                          "value": ratio, "neurons": len(perm)})
         num_classes = exp.dataset.num_classes
         for layer in s.preference_layers:
@@ -124,34 +134,60 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
                 neuron_classes(pg)[live] == neuron_classes(pl)[live])) \
                 if live.any() else float("nan")
             n = min(s.show_neurons, len(pg))
-            plot_preferences(pg[:n], pl[:n], title=f"{layer}, PANs {name} (first {n} neurons)",
-                             path=ctx.path(f"fig8_preferences_{layer}_{name}.png"))
-            rows.append({"pans": name, "analysis": "class_agreement", "layer": layer,
+            if draw:
+                plot_preferences(pg[:n], pl[:n],
+                                 title=f"{layer}, PANs {name} (first {n} neurons, seed {seed})",
+                                 path=ctx.path(f"fig8_preferences_{layer}_{name}.png"))
+            rows.append({"seed": seed, "pans": name, "analysis": "class_agreement",
+                         "layer": layer,
                          "value": agree, "neurons": len(pg)})
         results[name] = res
-    common.write_csv(ctx.path("alignment.csv"), rows)
+    return {"results": results, "rows": rows}
+
+
+def summarize(per_seed: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """Per analysis and layer: off / on over seeds and the paired difference on - off."""
+    first = per_seed[0]["results"]["off"]
+    out = []
+    for analysis in ("diagonal_ratio", "diagonal_ratio_live", "class_agreement",
+                     "class_agreement_live"):
+        for layer in first[analysis]:
+            off, on = ([r["results"][side][analysis][layer] for r in per_seed]
+                       for side in ("off", "on"))
+            out.append({"analysis": analysis, "layer": layer,
+                        **common.paired_stats(off, on), "seeds": len(per_seed)})
+    off, on = ([r["results"][side]["test_accuracy"] for r in per_seed] for side in ("off", "on"))
+    out.append({"analysis": "test_accuracy", "layer": "global",
+                **common.paired_stats(off, on), "seeds": len(per_seed)})
+    return out
+
+
+@common.resumable
+def run(s: Settings, ctx: common.Context) -> List[str]:
+    per_seed = [common.seed_result(ctx, seed, s, lambda seed=seed: one_seed(s, ctx, seed))
+                for seed in s.seeds]
+    table = summarize(per_seed)
+    common.write_csv(ctx.path("alignment.csv"), [row for r in per_seed for row in r["rows"]])
+    common.write_csv(ctx.path("alignment_summary.csv"), table)
     common.write_json(ctx.path("alignment.json"), {
         "setup": s.setup, "local_epochs": s.local_epochs if s.local_epochs is not None
         else s.setup.epochs, "num_samples": s.num_samples,
         "representation": "post-PAN pre-ReLU" if s.pre_relu else "post-ReLU",
-        "preference_samples": s.preference_samples, "results": results})
+        "preference_samples": s.preference_samples, "seeds": s.seeds,
+        "per_seed": [r["results"] for r in per_seed], "results": per_seed[0]["results"],
+        "summary": table})
+    width = per_seed[0]["results"]["off"]["layer_width"]
     lines = [f"alignment of global vs local model (alpha={s.setup.alpha:g}, "
-             f"H={s.setup.rounds}, local E={s.local_epochs or s.setup.epochs:g}), off -> on:"]
-    for layer in s.assignment_layers:
-        off, on = (results[k]["diagonal_ratio"][layer] for k in ("off", "on"))
-        live_off, live_on = (results[k]["diagonal_ratio_live"][layer] for k in ("off", "on"))
-        dead_off, dead_on = (results[k]["dead_neurons"][layer] for k in ("off", "on"))
-        width = results["off"]["layer_width"][layer]
-        lines.append(f"  diagonal ratio {layer}: {off:.3f} -> {on:.3f} (live neurons only: "
-                     f"{live_off:.3f} -> {live_on:.3f}; dead {dead_off} -> {dead_on} of "
-                     f"{width}; random matching: {1 / width:.4f})")
-    for layer in s.preference_layers:
-        off, on = (results[k]["class_agreement"][layer] for k in ("off", "on"))
-        live_off, live_on = (results[k]["class_agreement_live"][layer] for k in ("off", "on"))
-        lines.append(f"  class agreement {layer}: {off:.3f} -> {on:.3f} (live neurons only: "
-                     f"{live_off:.3f} -> {live_on:.3f})")
-    lines.append(f"  global test accuracy: {100 * results['off']['test_accuracy']:.2f}% -> "
-                 f"{100 * results['on']['test_accuracy']:.2f}%")
+             f"H={s.setup.rounds}, local E={s.local_epochs or s.setup.epochs:g}), mean +- std "
+             f"over seeds {list(s.seeds)}, off -> on, on - off paired by seed:"]
+    for r in table:
+        scale = 100 if r["analysis"] == "test_accuracy" else 1
+        chance = (f" (random matching {1 / width[r['layer']]:.4f})"
+                  if r["analysis"] == "diagonal_ratio" else "")
+        lines.append(f"  {r['analysis']:<20} {r['layer']:<6} {scale * r['off_mean']:.3f} +- "
+                     f"{scale * r['off_std']:.3f} -> {scale * r['on_mean']:.3f} +- "
+                     f"{scale * r['on_std']:.3f}; on - off {scale * r['diff_mean']:+.3f} +- "
+                     f"{scale * r['diff_std']:.3f}{chance}")
     return lines
 
 

@@ -158,15 +158,20 @@ def train_run(cfg: Any, run_dir: str, ctx: Context, desc: str) -> Tuple[Dict[str
     """(summary, diverged) of one library run into `run_dir`. With --resume a finished run
     (its summary.json written for this config) is read back, not trained again, and an
     interrupted one continues from its checkpoint. A run that diverges is an outcome to
-    report, not a reason to stop the sweep: its summary holds NaNs."""
+    report, not a reason to stop the sweep: its summary holds NaNs, and `diverged.json`
+    records it, so --resume keeps it as it is rather than training it again."""
     from fedjax_pan import experiment, workdir
     from fedjax_pan.errors import TrainingDiverged
 
+    nan = {"final_accuracy": float("nan"), "best_accuracy": float("nan"),
+           "wall_seconds": float("nan")}
     summary_path = os.path.join(run_dir, "summary.json")
+    diverged_path = os.path.join(run_dir, "diverged.json")
     started = os.path.isfile(os.path.join(run_dir, "config.json"))
-    if ctx.resume and started and os.path.isfile(summary_path):
-        saved = workdir.read_config(run_dir)
-        if saved == json.loads(cfg.to_json()):
+    if ctx.resume and started and workdir.read_config(run_dir) == json.loads(cfg.to_json()):
+        if os.path.isfile(diverged_path):
+            return nan, True
+        if os.path.isfile(summary_path):
             with open(summary_path) as f:
                 summary = json.load(f)
             if summary.get("rounds") == cfg.rounds:
@@ -176,8 +181,8 @@ def train_run(cfg: Any, run_dir: str, ctx: Context, desc: str) -> Tuple[Dict[str
                                 progress=ctx.progress, desc=desc), False
     except TrainingDiverged as e:
         print(f"{desc}: {e}", file=sys.stderr)
-        return {"final_accuracy": float("nan"), "best_accuracy": float("nan"),
-                "wall_seconds": float("nan")}, True
+        write_json(diverged_path, {"error": str(e)})
+        return nan, True
 
 
 def read_curve(run_dir: str) -> List[Dict[str, Any]]:
@@ -205,6 +210,40 @@ def accuracy_stats(rows: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
     return {"mean": float(acc.mean()) if acc.size else float("nan"),
             "std": float(acc.std()) if acc.size else float("nan"),
             "seeds": len(rows), "diverged": len(rows) - len(acc)}
+
+
+def seed_result(ctx: Context, seed: int, settings: Any,
+                compute: Callable[[], Mapping[str, Any]]) -> Dict[str, Any]:
+    """compute() for one seed of a multi-seed script, kept in `seeds/s<seed>.json` with the
+    settings it ran under. With --resume a seed already there for the same settings (its
+    `seeds` field aside, so seeds run apart can be gathered in one folder) is read back,
+    not computed again."""
+    path = ctx.path(os.path.join("seeds", f"s{seed}.json"))
+    key = {k: v for k, v in jsonable(settings).items() if k != "seeds"}
+    if ctx.resume and os.path.isfile(path):
+        with open(path) as f:
+            saved = json.load(f)
+        if saved.get("settings") == key:
+            return saved["result"]
+    result = jsonable(compute())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_json(path, {"seed": seed, "settings": key, "result": result})
+    return result
+
+
+def paired_stats(off: Sequence[float], on: Sequence[float]) -> Dict[str, float]:
+    """Mean and std (ddof 0) of `off` and `on` and of the paired difference on - off (element
+    i of each from the same seed); NaN entries (diverged runs) drop their pair."""
+    a, b = np.asarray(off, np.float64), np.asarray(on, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"paired values need equal lengths, got {a.size} and {b.size}")
+    ok = np.isfinite(a) & np.isfinite(b)
+    a, b = a[ok], b[ok]
+    stat = (lambda v: (float(v.mean()), float(v.std()))) if ok.any() else (
+        lambda v: (float("nan"), float("nan")))
+    (om, osd), (nm, nsd), (dm, dsd) = stat(a), stat(b), stat(b - a)
+    return {"off_mean": om, "off_std": osd, "on_mean": nm, "on_std": nsd,
+            "diff_mean": dm, "diff_std": dsd, "pairs": int(ok.sum())}
 
 
 def mean_curve(runs: Sequence[Sequence[Mapping[str, Any]]]) -> Tuple[List[int], np.ndarray]:

@@ -8,9 +8,15 @@ together) the divergence (1/|S|) sum_k ||W_k - W_avg||_2 of the local models aro
 mean is computed (App. E); Fig. 6 shows it as bars per layer, PANs off (blue) vs on (red).
 
 The paper runs Mnist with H = 20 and E in {5, 20}; here the data are Fashion-MNIST.
+Every setting runs with seeds 0, 1, 2 (PANs off and on from the same seed: the same
+partition, cohorts and initial weights), and the effect is reported as the paired
+difference on - off with its spread over seeds.
 Presets: paper (full data, H = 20, E in {5, 20}), default (a 20,000-example subset, H = 5,
-E = 2; a few minutes on 2 CPU cores), smoke (synthetic data, 32-wide MLP, K = 4, H = 2).
-Outputs: weight_divergence.csv, weight_divergence.json, fig6_divergence_E<E>_alpha<a>.png.
+E = 2; a few minutes a seed on 2 CPU cores), smoke (synthetic data, 32-wide MLP, K = 4,
+H = 2, seeds 0 and 1). --resume keeps the seeds already finished (seeds/s<seed>.json).
+Outputs: weight_divergence.csv (per seed, setting, PAN side and layer),
+weight_divergence_summary.csv (mean / std off and on, paired difference, on/off ratio per
+setting and layer), weight_divergence.json, fig6_divergence_E<E>_alpha<a>.png (mean +- std).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 from types import MappingProxyType
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
 
 from experiments import common
 from experiments.common import FLSetup, Pan
@@ -31,6 +39,7 @@ class Settings:
     alphas: Tuple[float, ...] = (1.0, 0.1)
     epochs: Tuple[float, ...] = (2.0,)
     pan_on: Pan = common.PANS_ON
+    seeds: Tuple[int, ...] = (0, 1, 2)
 
 
 PRESETS = MappingProxyType({
@@ -38,45 +47,92 @@ PRESETS = MappingProxyType({
     "default": Settings(),
     "smoke": Settings(setup=FLSetup(dataset="synthetic", hidden=(32, 32, 32), num_clients=4,
                                     rounds=2, warmup="none", strategy="loop"),
-                      alphas=(1.0,), epochs=(1.0,)),
+                      alphas=(1.0,), epochs=(1.0,), seeds=(0, 1)),
 })
 
 
-def run(s: Settings, ctx: common.Context) -> List[str]:
-    rows, results = [], []
-    lines = ["weight divergence (sum over layers) after the last round, PANs off vs on:"]
+def one_seed(s: Settings, ctx: common.Context, seed: int) -> Dict[str, Any]:
+    """Every (E, alpha) setting of one seed, PANs off and on: per-layer divergences and the
+    global model's test accuracy."""
+    results = []
     for epochs in s.epochs:
         for alpha in s.alphas:
             setup = dataclasses.replace(s.setup, alpha=alpha, epochs=epochs)
             div, acc = {}, {}
             for name, pan in (("off", common.PANS_OFF), ("on", s.pan_on)):
-                cfg = common.fl_config(setup, pan, ctx.seed)
+                cfg = common.fl_config(setup, pan, seed)
                 exp, state, info = common.train_fl(
-                    cfg, ctx.progress, f"E={epochs:g} alpha={alpha:g} PANs {name}")
+                    cfg, ctx.progress, f"s{seed} E={epochs:g} alpha={alpha:g} PANs {name}")
                 local = common.local_variables(exp, state)
                 div[name] = weight_divergence([v["params"] for v in local])
                 acc[name] = info["test_accuracy"]
-                for layer, value in div[name].items():
-                    rows.append({"epochs": epochs, "alpha": alpha, "pans": name,
-                                 "pan": pan.label, "layer": layer, "divergence": value})
             totals = {k: sum(v.values()) for k, v in div.items()}
-            results.append({"epochs": epochs, "alpha": alpha, "rounds": setup.rounds,
-                            "divergence": div, "total": totals,
+            results.append({"seed": seed, "epochs": epochs, "alpha": alpha,
+                            "rounds": setup.rounds, "divergence": div, "total": totals,
                             "total_ratio_on_off": totals["on"] / totals["off"],
                             "test_accuracy": acc})
-            plot_divergence(div["off"], div["on"],
-                            path=ctx.path(f"fig6_divergence_E{epochs:g}_alpha{alpha:g}.png"),
-                            title=f"weight divergence (MLP, alpha={alpha:g}, E={epochs:g}, "
-                                  f"H={setup.rounds})")
-            per_layer = ", ".join(f"{k} {div['off'][k]:.3g}/{div['on'][k]:.3g}"
-                                  for k in div["off"])
-            lines.append(f"  E={epochs:g} alpha={alpha:g}: total off {totals['off']:.4g}, "
-                         f"on {totals['on']:.4g} (on/off {totals['on'] / totals['off']:.2f}); "
-                         f"per layer off/on: {per_layer}; test acc off "
-                         f"{100 * acc['off']:.2f}%, on {100 * acc['on']:.2f}%")
+    return {"results": results}
+
+
+def summarize(results: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
+    """Per (E, alpha) and layer (and 'total'): divergence PANs off / on over seeds and the
+    paired difference on - off, and the on/off ratio of the totals; accuracy likewise."""
+    out = []
+    for epochs, alpha in dict.fromkeys((r["epochs"], r["alpha"]) for r in results):
+        mine = sorted((r for r in results if (r["epochs"], r["alpha"]) == (epochs, alpha)),
+                      key=lambda r: r["seed"])
+        layers = list(mine[0]["divergence"]["off"])
+        for layer in [*layers, "total", "test_accuracy"]:
+            def value(r, side, layer=layer):
+                if layer == "total":
+                    return r["total"][side]
+                if layer == "test_accuracy":
+                    return r["test_accuracy"][side]
+                return r["divergence"][side][layer]
+            stats = common.paired_stats([value(r, "off") for r in mine],
+                                        [value(r, "on") for r in mine])
+            ratio = np.asarray([value(r, "on") / value(r, "off") for r in mine])
+            out.append({"epochs": epochs, "alpha": alpha, "layer": layer, **stats,
+                        "ratio_mean": float(ratio.mean()), "ratio_std": float(ratio.std()),
+                        "seeds": len(mine)})
+    return out
+
+
+@common.resumable
+def run(s: Settings, ctx: common.Context) -> List[str]:
+    results = [r for seed in s.seeds
+               for r in common.seed_result(ctx, seed, s, lambda seed=seed: one_seed(
+                   s, ctx, seed))["results"]]
+    rows = [{"seed": r["seed"], "epochs": r["epochs"], "alpha": r["alpha"], "pans": side,
+             "pan": (s.pan_on if side == "on" else common.PANS_OFF).label, "layer": layer,
+             "divergence": value}
+            for r in results for side in ("off", "on")
+            for layer, value in r["divergence"][side].items()]
+    table = summarize(results)
     common.write_csv(ctx.path("weight_divergence.csv"), rows)
+    common.write_csv(ctx.path("weight_divergence_summary.csv"), table)
     common.write_json(ctx.path("weight_divergence.json"),
-                      {"setup": s.setup, "pan_on": s.pan_on, "results": results})
+                      {"setup": s.setup, "pan_on": s.pan_on, "seeds": s.seeds,
+                       "results": results, "summary": table})
+    lines = [f"weight divergence after the last round (H={s.setup.rounds}), mean +- std over "
+             f"seeds {list(s.seeds)}; on - off paired by seed:"]
+    for epochs, alpha in dict.fromkeys((r["epochs"], r["alpha"]) for r in table):
+        mine = {r["layer"]: r for r in table if (r["epochs"], r["alpha"]) == (epochs, alpha)}
+        layers = [k for k in mine if k not in ("total", "test_accuracy")]
+        plot_divergence({k: mine[k]["off_mean"] for k in layers},
+                        {k: mine[k]["on_mean"] for k in layers},
+                        err_off={k: mine[k]["off_std"] for k in layers},
+                        err_on={k: mine[k]["on_std"] for k in layers},
+                        path=ctx.path(f"fig6_divergence_E{epochs:g}_alpha{alpha:g}.png"),
+                        title=f"weight divergence (MLP, alpha={alpha:g}, E={epochs:g}, "
+                              f"H={s.setup.rounds}, {len(s.seeds)} seeds)")
+        t, a = mine["total"], mine["test_accuracy"]
+        per_layer = ", ".join(f"{k} {mine[k]['diff_mean']:+.3g}" for k in layers)
+        lines.append(f"  E={epochs:g} alpha={alpha:g}: total off {t['off_mean']:.4g} +- "
+                     f"{t['off_std']:.2g}, on {t['on_mean']:.4g} +- {t['on_std']:.2g}; on - off "
+                     f"{t['diff_mean']:+.3g} +- {t['diff_std']:.2g} (on/off {t['ratio_mean']:.3f}"
+                     f" +- {t['ratio_std']:.3f}); per layer on - off: {per_layer}; test acc "
+                     f"on - off {100 * a['diff_mean']:+.2f} +- {100 * a['diff_std']:.2f} points")
     return lines
 
 

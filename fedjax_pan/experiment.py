@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
 from typing import Any, Dict, List, Optional
 
@@ -31,7 +32,8 @@ from fedjax_pan.engine.simulation import SimState
 from fedjax_pan.errors import ConfigError, Interrupted, TrainingDiverged, WorkdirError
 
 __all__ = ["ConfigError", "TrainingDiverged", "WorkdirError", "Interrupted", "Experiment",
-           "validate", "build", "train", "train_rounds", "run", "summarize", "format_table"]
+           "validate", "build", "train", "train_rounds", "run", "summarize", "format_table",
+           "seed_groups", "compare_groups", "variant_configs"]
 
 # Keys that may change when resuming (to extend a run or change its reporting cadence).
 RESUMABLE_CHANGES = ("rounds", "eval", "checkpoint_every", "max_train_loss")
@@ -251,18 +253,30 @@ def summarize(rows: List[Dict[str, Any]], last: int = 5) -> Dict[str, float]:
             float("nan")}
 
 
-def plot_curves(runs: Dict[str, List[Dict[str, Any]]], path: str, title: str = "") -> None:
-    """Test accuracy and training loss per round, one line per run."""
+def plot_curves(runs: Dict[str, List[Dict[str, Any]]], path: str, title: str = "",
+                groups: Optional[Dict[str, Dict[int, str]]] = None) -> None:
+    """Test accuracy and training loss per round: one line per run, or with `groups`
+    ({group: {seed: run}}) the mean over a group's runs with a band from min to max."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(10, 4))
     FigureCanvasAgg(fig)
     ax_acc, ax_loss = fig.subplots(1, 2)
-    for name, rows in runs.items():
-        rounds = [r["round"] for r in rows]
-        ax_acc.plot(rounds, [100 * r["test_accuracy"] for r in rows], label=name)
-        ax_loss.plot(rounds, [r["train_loss"] for r in rows], label=name)
+    groups = groups or {name: {0: name} for name in runs}
+    for group, members in groups.items():
+        rows = [runs[name] for name in members.values()]
+        n = min(len(r) for r in rows)
+        if n == 0:
+            continue
+        rounds = [r["round"] for r in rows[0][:n]]
+        label = group if len(rows) == 1 else f"{group} (mean of {len(rows)} seeds)"
+        for ax, key, scale in ((ax_acc, "test_accuracy", 100.0), (ax_loss, "train_loss", 1.0)):
+            v = scale * np.asarray([[r[key] for r in run[:n]] for run in rows], np.float64)
+            line, = ax.plot(rounds, v.mean(axis=0), label=label)
+            if len(rows) > 1:
+                ax.fill_between(rounds, v.min(axis=0), v.max(axis=0), alpha=0.2,
+                                color=line.get_color())
     ax_acc.set(xlabel="round", ylabel="test accuracy (%)", title=title)
     ax_loss.set(xlabel="round", ylabel="training loss", yscale="log")
     for ax in (ax_acc, ax_loss):
@@ -270,6 +284,36 @@ def plot_curves(runs: Dict[str, List[Dict[str, Any]]], path: str, title: str = "
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def seed_groups(configs: Dict[str, ml_collections.ConfigDict]) -> Dict[str, Dict[int, str]]:
+    """Variants named `<group>_s<seed>` (the seed their config runs with) gathered as
+    {group: {seed: variant}}, in order of first appearance; any other variant is a group
+    of its own."""
+    out: Dict[str, Dict[int, str]] = {}
+    for name, c in configs.items():
+        m = re.fullmatch(r"(.+)_s(\d+)", name)
+        group = m.group(1) if m and int(m.group(2)) == c.seed else name
+        out.setdefault(group, {})[int(c.seed)] = name
+    return out
+
+
+def compare_groups(summaries: Dict[str, Dict[str, Any]],
+                   groups: Dict[str, Dict[int, str]]) -> List[Dict[str, Any]]:
+    """Per group: mean and std (ddof 0) of the final accuracy over its seeds, and the
+    difference to the first group (the reference) paired by seed, with its std."""
+    ref = next(iter(groups.values()))
+    out = []
+    for group, members in groups.items():
+        acc = np.asarray([summaries[v]["final_accuracy"] for v in members.values()])
+        diff = np.asarray([summaries[v]["final_accuracy"] - summaries[ref[seed]]["final_accuracy"]
+                           for seed, v in members.items() if seed in ref])
+        out.append({"group": group, "seeds": sorted(members), "mean": float(acc.mean()),
+                    "std": float(acc.std()),
+                    "diff_mean": float(diff.mean()) if diff.size else float("nan"),
+                    "diff_std": float(diff.std()) if diff.size else float("nan"),
+                    "pairs": int(diff.size)})
+    return out
 
 
 # ----------------------------------------------------------------------------------------
@@ -490,6 +534,12 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Dict[str, Any]
     return out
 
 
+def variant_configs(cfg: ml_collections.ConfigDict) -> Dict[str, ml_collections.ConfigDict]:
+    """{name: cfg with the variant's overrides} for each of cfg.variants (empty without)."""
+    variants = cfg.variants.to_dict() if cfg.get("variants") else {}
+    return {name: apply_overrides(cfg, ov) for name, ov in variants.items()}
+
+
 def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
         overwrite: bool = False, progress: bool = True) -> Dict[str, Dict[str, Any]]:
     """Runs `cfg` (or each of its variants) and returns {name: summary}.
@@ -502,7 +552,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
         return {"run": train(cfg, workdir, resume=resume, overwrite=overwrite,
                              progress=progress)}
     validate(cfg)
-    configs = {name: apply_overrides(cfg, ov) for name, ov in variants.items()}
+    configs = variant_configs(cfg)
     for name, c in configs.items():
         try:
             validate(c)
@@ -524,6 +574,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
             summaries[name] = _train(exp, sub, resume=again, progress=progress, desc=name)
         curves = {name: _read_metrics(os.path.join(workdir, name, "metrics.jsonl"), cfg.rounds)
                   for name in configs}
+        groups = seed_groups(configs)
+        table = compare_groups(summaries, groups)
         csv = ["variant,final_accuracy,best_accuracy,final_loss,rounds,wall_seconds\n"]
         csv += [f"{name},{s['final_accuracy']:.6f},{s['best_accuracy']:.6f},"
                 f"{s['final_loss']:.6f},{s['rounds']},{s['wall_seconds']:.1f}\n"
@@ -531,19 +583,38 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
         with workdir_lib.writing(f"the comparison in {workdir}",
                                  lambda: f"each variant's results are complete in {workdir}"):
             plot_curves(curves, os.path.join(workdir, "curves.png"),
-                        f"{cfg.model.name} on {cfg.dataset.name}")
+                        f"{cfg.model.name} on {cfg.dataset.name}", groups=groups)
             workdir_lib.write_atomic(os.path.join(workdir, "comparison.json"),
                                      json.dumps(summaries, indent=2))
             workdir_lib.write_atomic(os.path.join(workdir, "comparison.csv"), "".join(csv))
+            if any(len(m) > 1 for m in groups.values()):
+                workdir_lib.write_atomic(os.path.join(workdir, "comparison_seeds.json"),
+                                         json.dumps(table, indent=2))
     return summaries
 
 
-def format_table(summaries: Dict[str, Dict[str, Any]]) -> str:
-    """A small plain-text comparison table."""
-    head = f"{'variant':<12} {'final acc (last 5)':>18} {'best acc':>9} {'rounds':>6} {'time':>8}"
+def format_table(summaries: Dict[str, Dict[str, Any]],
+                 groups: Optional[Dict[str, Dict[int, str]]] = None) -> str:
+    """A small plain-text comparison table; with `groups` (`seed_groups`) of several seeds,
+    also each group's mean +- std over seeds and its difference to the first group paired
+    by seed."""
+    width = max([12, *(len(n) for n in summaries)])
+    head = (f"{'variant':<{width}} {'final acc (last 5)':>18} {'best acc':>9} {'rounds':>6} "
+            f"{'time':>8}")
     lines = [head, "-" * len(head)]
     for name, s in summaries.items():
-        lines.append(f"{name:<12} {100 * s['final_accuracy']:>17.2f}% "
+        lines.append(f"{name:<{width}} {100 * s['final_accuracy']:>17.2f}% "
                      f"{100 * s['best_accuracy']:>8.2f}% {s['rounds']:>6} "
                      f"{s['wall_seconds']:>7.0f}s")
+    if groups and any(len(m) > 1 for m in groups.values()):
+        table = compare_groups(summaries, groups)
+        ref = table[0]["group"]
+        lines.append("")
+        lines.append(f"mean +- std over seeds; difference to {ref} paired by seed:")
+        for r in table:
+            diff = ("" if r["group"] == ref else
+                    f"   {r['group']} - {ref}: {100 * r['diff_mean']:+.2f} +- "
+                    f"{100 * r['diff_std']:.2f} points ({r['pairs']} pairs)")
+            lines.append(f"{r['group']:<{width}} {100 * r['mean']:>6.2f}% +- "
+                         f"{100 * r['std']:.2f}{diff}")
     return "\n".join(lines)

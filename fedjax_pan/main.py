@@ -136,7 +136,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                       status=128 + workdir.signal_number(e))
     except Exception as e:  # noqa: BLE001 - one line for the user; the traceback to a file
         return _unexpected(e)
-    print(experiment.format_table(summaries))
+    print(experiment.format_table(summaries,
+                                  experiment.seed_groups(experiment.variant_configs(cfg))))
     print(f"results in {fv.workdir}")
     return 0
 

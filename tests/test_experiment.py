@@ -95,11 +95,41 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_variants_write_a_comparison(tmp_path):
     cfg = config("compare", rounds=1, partition__num_clients=10, local__epochs=0.5)
     summaries = experiment.run(cfg, str(tmp_path), progress=False)
-    assert set(summaries) == {"pans_off", "pans_on"}
-    assert {"comparison.json", "comparison.csv", "curves.png"} <= set(os.listdir(tmp_path))
-    # Same seed and data: only the PANs differ, and they change the result.
-    assert metrics(tmp_path / "pans_off") != metrics(tmp_path / "pans_on")
-    assert "pans_on" in experiment.format_table(summaries)
+    names = {f"pans_{side}_s{seed}" for side in ("off", "on") for seed in (0, 1, 2)}
+    assert set(summaries) == names
+    assert {"comparison.json", "comparison.csv", "comparison_seeds.json",
+            "curves.png"} <= set(os.listdir(tmp_path))
+    # Same seed and data: only the PANs differ, and they change the result; another seed
+    # is another run.
+    assert metrics(tmp_path / "pans_off_s0") != metrics(tmp_path / "pans_on_s0")
+    assert metrics(tmp_path / "pans_off_s0") != metrics(tmp_path / "pans_off_s1")
+    with open(tmp_path / "comparison_seeds.json") as f:
+        off, on = json.load(f)
+    acc = {n: s["final_accuracy"] for n, s in summaries.items()}
+    diffs = [acc[f"pans_on_s{k}"] - acc[f"pans_off_s{k}"] for k in range(3)]
+    assert (off["group"], on["group"], on["seeds"]) == ("pans_off", "pans_on", [0, 1, 2])
+    assert on["mean"] == pytest.approx(np.mean([acc[f"pans_on_s{k}"] for k in range(3)]))
+    assert on["diff_mean"] == pytest.approx(np.mean(diffs))
+    assert on["diff_std"] == pytest.approx(np.std(diffs))
+    assert off["diff_mean"] == 0.0
+    table = experiment.format_table(summaries,
+                                    experiment.seed_groups(experiment.variant_configs(cfg)))
+    assert "pans_on_s2" in table and "pans_on - pans_off" in table
+
+
+def test_seed_groups_need_the_seed_the_name_says():
+    cfg = config()
+    cfg.variants = {"a_s1": {"seed": 1}, "a_s2": {"seed": 2}, "b_s3": {"seed": 0},
+                    "c": {"seed": 4}}
+    groups = experiment.seed_groups(experiment.variant_configs(cfg))
+    # b_s3 runs seed 0, so its name's suffix is not a seed: a group of its own.
+    assert groups == {"a": {1: "a_s1", 2: "a_s2"}, "b_s3": {0: "b_s3"}, "c": {4: "c"}}
+    summaries = {"a_s1": {"final_accuracy": 0.5}, "a_s2": {"final_accuracy": 0.7},
+                 "b_s3": {"final_accuracy": 0.1}, "c": {"final_accuracy": 0.2}}
+    a, b, c = experiment.compare_groups(summaries, groups)
+    assert (a["mean"], a["std"]) == (pytest.approx(0.6), pytest.approx(0.1))
+    # No seed in common with the reference: no paired difference.
+    assert b["pairs"] == 0 and np.isnan(b["diff_mean"])
 
 
 def test_summary_uses_the_last_five_evaluations():

@@ -1,6 +1,7 @@
 """The paper-figure scripts in experiments/: each `smoke` preset runs and its outputs are
 consistent (the library functions they use are tested in their own modules)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -122,6 +123,20 @@ def test_weight_divergence(runs):
         assert os.path.getsize(os.path.join(d, png)) > 0
     rows = common.read_csv(os.path.join(d, "weight_divergence.csv"))
     assert len(rows) == 8 * len(results)
+    # Two seeds, each paired with itself: the summary by hand from the per-seed results.
+    assert sorted(r["seed"] for r in results) == [0, 1]
+    summary = _json(os.path.join(d, "weight_divergence.json"))["summary"]
+    for row in summary:
+        if row["layer"] in ("total", "test_accuracy"):
+            continue
+        off = [r["divergence"]["off"][row["layer"]] for r in results]
+        on = [r["divergence"]["on"][row["layer"]] for r in results]
+        assert row["seeds"] == 2 and row["off_mean"] == pytest.approx(np.mean(off))
+        assert row["diff_mean"] == pytest.approx(np.mean(np.subtract(on, off)))
+        assert row["diff_std"] == pytest.approx(np.std(np.subtract(on, off)))
+        assert row["ratio_mean"] == pytest.approx(np.mean(np.divide(on, off)))
+    assert {r["layer"] for r in summary} == {"fc1", "fc2", "fc3", "head", "total",
+                                            "test_accuracy"}
 
 
 def test_alignment(runs):
@@ -138,7 +153,17 @@ def test_alignment(runs):
         for layer in ("fc2", "fc3"):
             for fig in ("fig7_assignment", "fig8_preferences"):
                 assert os.path.getsize(os.path.join(d, f"{fig}_{layer}_{side}.png")) > 0
-    assert _json(os.path.join(d, "alignment.json"))["representation"] == "post-PAN pre-ReLU"
+    out = _json(os.path.join(d, "alignment.json"))
+    assert out["representation"] == "post-PAN pre-ReLU"
+    # The summary pairs the two seeds' analyses (off and on of the same seed).
+    assert len(out["per_seed"]) == 2
+    for row in out["summary"]:
+        if row["analysis"] == "test_accuracy":
+            continue
+        off, on = ([p[side][row["analysis"]][row["layer"]] for p in out["per_seed"]]
+                   for side in ("off", "on"))
+        assert row["on_mean"] == pytest.approx(np.mean(on))
+        assert row["diff_mean"] == pytest.approx(np.mean(np.subtract(on, off)))
 
 
 def test_sharing_depth(runs):
@@ -380,3 +405,88 @@ def test_sweeps_resume_keeping_finished_runs(tmp_path, capsys):
     assert fusion.main(["--out", str(tmp_path / "f"), "--preset", "smoke", "--resume"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "exclude" in err[0] and "no --resume" in err[1]
+
+
+def test_paired_stats_by_hand():
+    st = common.paired_stats([0.80, 0.90, 0.70], [0.78, 0.86, float("nan")])
+    # The NaN (a diverged run) drops its pair.
+    assert st["pairs"] == 2 and st["off_mean"] == pytest.approx(0.85)
+    assert st["diff_mean"] == pytest.approx(-0.03) and st["diff_std"] == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="equal lengths"):
+        common.paired_stats([1.0], [1.0, 2.0])
+
+
+def test_seed_results_are_kept_for_resume(tmp_path):
+    from experiments.common import Context
+    calls = []
+
+    def compute(tag):
+        calls.append(tag)
+        return {"value": np.float32(len(calls))}
+
+    s = weight_divergence.PRESETS["smoke"]
+    ctx = Context(str(tmp_path), 0, "smoke", False, resume=True)
+    first = common.seed_result(ctx, 3, s, lambda: compute("a"))
+    # Read back under --resume, also when the settings name other seeds (gathered runs).
+    other_seeds = dataclasses.replace(s, seeds=(3,))
+    assert common.seed_result(ctx, 3, other_seeds, lambda: compute("b")) == first == {
+        "value": 1.0}
+    # Other settings, or no --resume: computed again.
+    changed = dataclasses.replace(s, alphas=(0.5,))
+    assert common.seed_result(ctx, 3, changed, lambda: compute("c")) == {"value": 2.0}
+    fresh = dataclasses.replace(ctx, resume=False)
+    assert common.seed_result(fresh, 3, changed, lambda: compute("d")) == {"value": 3.0}
+    assert calls == ["a", "c", "d"]
+
+
+def test_sweeps_pair_cells_with_their_reference(tmp_path):
+    from experiments import sweeps
+    out = str(tmp_path / "s")
+    assert sweeps.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    s = sweeps.PRESETS["smoke"]
+    runs = common.read_csv(os.path.join(out, "sweeps_smoke_runs.csv"))
+    assert len(runs) == len(s.cells) * len(s.seeds)
+    table = {r["cell"]: r for r in common.read_csv(os.path.join(out, "sweeps_smoke.csv"))}
+    acc = {(r["cell"], r["seed"]): float(r["final_accuracy"]) for r in runs}
+    for cell in s.cells[1:]:  # the PAN and the shuffled cell, each against a1_off
+        d = [acc[(cell.name, str(k))] - acc[("a1_off", str(k))] for k in s.seeds]
+        assert float(table[cell.name]["diff_mean"]) == pytest.approx(np.mean(d))
+    assert table["a1_off_nsf1"]["n_sf"] == "1.0"
+    with open(os.path.join(out, "runs", "a1_off_nsf1_s0", "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["shuffle"]["n_sf"] == 1.0 and cfg["pan"]["amplitude"] == 0.0
+    assert os.path.getsize(os.path.join(out, "fig10_smoke.png")) > 5000
+    # The other two figure kinds, from a table by hand.
+    fake = [{"alpha": 10.0, "amplitude": a, "n_sf": n, "mean": 0.8, "std": 0.01,
+             "r_kept": k, "diff_mean": 0.0, "diff_std": 0.0, "diverged": 0, "seeds": 3}
+            for a, n, k in [(0.0, 0.0, 1.0), (0.1, 0.0, 1.0), (0.0, 1.0, 0.84)]]
+    for figure in ("amplitude", "n_sf"):
+        fig = sweeps.plot(dataclasses.replace(s, figure=figure), fake)
+        assert common.save_figure(fig, str(tmp_path / f"{figure}.png"))
+    # R_kept of Alg. 2's local permutations: 1 without shuffling, below 1 with.
+    kept = sweeps.r_kept(s, [0.0, 5.0], seed=0, draws=20)
+    assert kept[0.0] == 1.0 and 0.0 < kept[5.0] < 1.0
+
+
+def test_a_diverged_run_is_kept_by_resume(tmp_path, monkeypatch):
+    from experiments import sweeps
+    from experiments.common import Context
+    from fedjax_pan import experiment
+    from fedjax_pan.errors import TrainingDiverged
+    s = sweeps.PRESETS["smoke"]
+    cfg = sweeps.run_config(s, s.cells[0], 0)
+    run_dir = str(tmp_path / "r")
+    ctx = Context(str(tmp_path), 0, "smoke", False, resume=True)
+
+    def diverge(cfg, run_dir, **kw):
+        os.makedirs(run_dir, exist_ok=True)
+        with open(os.path.join(run_dir, "config.json"), "w") as f:
+            f.write(cfg.to_json())
+        raise TrainingDiverged("training diverged in round 1")
+
+    monkeypatch.setattr(experiment, "train", diverge)
+    summary, diverged = common.train_run(cfg, run_dir, ctx, "x")
+    assert diverged and math.isnan(summary["final_accuracy"])
+    assert "round 1" in _json(os.path.join(run_dir, "diverged.json"))["error"]
+    monkeypatch.setattr(experiment, "train", lambda *a, **k: pytest.fail("trained again"))
+    assert common.train_run(cfg, run_dir, ctx, "x")[1] is True

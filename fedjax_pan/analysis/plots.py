@@ -82,8 +82,11 @@ def plot_preferences(pref_global: np.ndarray, pref_local: np.ndarray, title: str
 
 def plot_divergence(div_off: Mapping[str, float], div_on: Mapping[str, float],
                     path: Optional[str] = None, layers: Optional[Sequence[str]] = None,
-                    title: str = "Weight divergence") -> Figure:
-    """Bars of per-layer weight divergence, PANs off vs on (PAN paper Fig. 6).
+                    title: str = "Weight divergence",
+                    err_off: Optional[Mapping[str, float]] = None,
+                    err_on: Optional[Mapping[str, float]] = None) -> Figure:
+    """Bars of per-layer weight divergence, PANs off vs on (PAN paper Fig. 6), with error
+    bars where `err_off` / `err_on` (e.g. the std over seeds) are given.
 
     `layers` picks and orders the layers (default: div_off's order, then div_on's extras);
     a layer missing from one side is drawn as an empty slot.
@@ -95,10 +98,13 @@ def plot_divergence(div_off: Mapping[str, float], div_on: Mapping[str, float],
     width = 0.38
     fig = Figure(figsize=(max(4.0, 0.6 * len(layers) + 2.0), 3.5))
     ax = fig.add_subplot(1, 1, 1)
-    for offset, values, label, color in ((-width / 2, div_off, "PANs off", _OFF_COLOR),
-                                         (width / 2, div_on, "PANs on", _ON_COLOR)):
+    for offset, values, err, label, color in (
+            (-width / 2, div_off, err_off, "PANs off", _OFF_COLOR),
+            (width / 2, div_on, err_on, "PANs on", _ON_COLOR)):
         heights = [float(values.get(k, np.nan)) for k in layers]
-        ax.bar(x + offset, np.nan_to_num(heights, nan=0.0), width, label=label, color=color)
+        yerr = None if err is None else [float(err.get(k, 0.0)) for k in layers]
+        ax.bar(x + offset, np.nan_to_num(heights, nan=0.0), width, label=label, color=color,
+               yerr=yerr, capsize=3 if yerr is not None else 0)
     ax.set_xticks(x)
     crowded = len(layers) > 6
     ax.set_xticklabels(layers, rotation=45 if crowded else 0, ha="right" if crowded else "center")
