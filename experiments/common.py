@@ -2,8 +2,9 @@
 
 Every script runs as
 
-    python -m experiments.<name> --out DIR [--preset default|paper|smoke] [--seed N]
-                                 [--overwrite] [--no-progress]
+    python -m experiments.<name> --out DIR [--preset default|paper|smoke]
+                                 [--seed N | --seeds N ...] [--overwrite | --resume]
+                                 [--no-progress]
 
 and writes CSV/JSON/PNG files into DIR plus `run_info.json` (script, preset, seed, settings,
 wall time). A non-empty DIR is refused unless --overwrite; any bad argument prints one
@@ -63,13 +64,18 @@ class Context:
 
 def parse_args(argv: Optional[Sequence[str]], prog: str, description: str,
                presets: Iterable[str]) -> argparse.Namespace:
-    """--out DIR (required), --preset, --seed, --overwrite, --no-progress."""
+    """--out DIR (required), --preset, --seed / --seeds, --overwrite / --resume,
+    --no-progress."""
     names = list(presets)
     p = _Parser(prog=prog, description=description,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="output folder (must be empty or absent)")
     p.add_argument("--preset", default="default", help=f"one of {', '.join(names)}")
-    p.add_argument("--seed", type=int, default=0, help="seed of every random draw")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of every random draw (scripts that run one seed; default 0)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="the seeds to run, in place of the preset's (multi-seed scripts; "
+                        "runs of one preset split by seed can be gathered with --resume)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--resume", action="store_true",
                    help="continue in a non-empty --out: finished runs are kept, interrupted "
@@ -113,12 +119,12 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
         args = parse_args(argv, f"python -m experiments.{module}", description, presets)
         if args.resume and not supports_resume(run):
             raise UsageError(f"experiments.{module} has no --resume (its work is one piece)")
+        settings = with_seeds(module, presets[args.preset], args.seed, args.seeds)
         check_out(args.out, args.overwrite, args.resume)
     except (UsageError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "status", 2)
-    ctx = Context(args.out, args.seed, args.preset, args.progress, args.resume)
-    settings = presets[args.preset]
+    ctx = Context(args.out, args.seed or 0, args.preset, args.progress, args.resume)
     start = time.time()
     try:
         # The library's workdir semantics: --overwrite replaces the old results only once
@@ -127,7 +133,7 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
             lines = run(settings, ctx)
             seconds = time.time() - start
             write_json(ctx.path("run_info.json"), {
-                "script": module, "preset": args.preset, "seed": args.seed,
+                "script": module, "preset": args.preset, "seed": ctx.seed,
                 "seconds": seconds,
                 "settings": dataclasses.asdict(settings) if dataclasses.is_dataclass(settings)
                 else settings})
@@ -141,6 +147,24 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
         print(line)
     print(f"{module} ({args.preset}): {seconds:.1f} s, results in {args.out}")
     return 0
+
+
+def with_seeds(module: str, settings: Any, seed: Optional[int],
+               seeds: Optional[Sequence[int]]) -> Any:
+    """`settings` with --seeds in place of its `seeds`; --seed and --seeds each refused
+    where they would be ignored."""
+    multi = dataclasses.is_dataclass(settings) and any(
+        f.name == "seeds" for f in dataclasses.fields(settings))
+    if multi and seed is not None:
+        raise UsageError(f"experiments.{module} runs seeds {list(settings.seeds)}; choose "
+                         f"them with --seeds, not --seed")
+    if seeds is None:
+        return settings
+    if not multi:
+        raise UsageError(f"experiments.{module} runs one seed; choose it with --seed")
+    if len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise UsageError(f"--seeds must be distinct non-negative integers, got {list(seeds)}")
+    return dataclasses.replace(settings, seeds=tuple(seeds))
 
 
 def supports_resume(run: Callable[..., Any]) -> bool:

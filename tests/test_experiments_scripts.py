@@ -222,6 +222,7 @@ def test_overwrite_replaces_out(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,word", [(["--preset", "huge"], "preset"),
                                        (["--seed", "x"], "seed"),
+                                       (["--seeds", "0", "1"], "--seed"),
                                        ([], "--out")])
 def test_bad_arguments_give_one_error_line(tmp_path, capsys, argv, word):
     if word != "--out":
@@ -490,3 +491,27 @@ def test_a_diverged_run_is_kept_by_resume(tmp_path, monkeypatch):
     assert "round 1" in _json(os.path.join(run_dir, "diverged.json"))["error"]
     monkeypatch.setattr(experiment, "train", lambda *a, **k: pytest.fail("trained again"))
     assert common.train_run(cfg, run_dir, ctx, "x")[1] is True
+
+
+def test_seeds_replace_the_presets_where_a_script_runs_several(tmp_path, capsys):
+    from experiments import sweeps
+    s = sweeps.PRESETS["smoke"]
+    assert common.with_seeds("sweeps", s, None, [5, 2]).seeds == (5, 2)
+    assert common.with_seeds("sweeps", s, None, None) is s
+    for seed, seeds, word in [(3, None, "--seeds, not --seed"), (None, [1, 1], "distinct")]:
+        with pytest.raises(common.UsageError, match=word):
+            common.with_seeds("sweeps", s, seed, seeds)
+    assert sweeps.main(["--out", str(tmp_path / "w"), "--preset", "smoke", "--seed", "1"]) == 2
+    assert "--seeds" in capsys.readouterr().err and not (tmp_path / "w").exists()
+
+
+def test_sweeps_presets_are_valid_configs():
+    from experiments import sweeps
+    from fedjax_pan import experiment
+    for name, s in sweeps.PRESETS.items():
+        for cell in s.cells:
+            cfg = sweeps.run_config(s, cell, seed=0)
+            experiment.validate(cfg)
+            assert (cfg.partition.alpha, cfg.shuffle.n_sf) == (cell.alpha, cell.n_sf)
+        # Every PAN or shuffling effect has its reference cell in the preset.
+        assert all(c.reference in s.cells for c in s.cells), name
