@@ -23,7 +23,9 @@ samples for preferences), default (a 20,000-example subset, H = 5 rounds of E = 
 local epochs for the analysed client), smoke (synthetic data, small MLP, K = 4).
 Every analysis runs with seeds 0, 1, 2 (smoke: 0, 1); PANs off and on of a seed share the
 partition, cohorts, initial weights and the analysed client, and the effect is reported as
-the paired difference on - off with its spread. --resume keeps finished seeds.
+the paired difference on - off with its spread. The FL runs train into runs/s<seed>_<off|on>/
+with a checkpoint every round: --resume keeps finished seeds and continues an interrupted
+run from its last round.
 Outputs: alignment.json, alignment.csv (per seed), alignment_summary.csv (mean / std off
 and on, paired difference), fig7_assignment_<layer>_<off|on>.png,
 fig8_preferences_<layer>_<off|on>.png (first seed; the first `show_neurons` neurons;
@@ -93,7 +95,8 @@ def one_seed(s: Settings, ctx: common.Context, seed: int) -> Dict[str, Any]:
     draw = seed == s.seeds[0]
     for name, pan in (("off", common.PANS_OFF), ("on", s.pan_on)):
         cfg = common.fl_config(s.setup, pan, seed)
-        exp, state, info = common.train_fl(cfg, ctx.progress, f"s{seed} PANs {name}")
+        exp, state, info = common.train_fl_run(cfg, ctx.path(f"runs/s{seed}_{name}"), ctx,
+                                               f"s{seed} PANs {name}")
         glob = common.global_variables(exp, state)
         client, local = analysed_client(cfg, state, s.local_epochs)
         x, _ = common.sample_test_inputs(exp, s.num_samples, seed)

@@ -11,8 +11,10 @@ wall time). A non-empty DIR is refused unless --overwrite; any bad argument prin
 `error:` line and exits with status 2.
 
 Training helpers: `train_centralised` (plain SGD with optax, one jitted step, numpy batches)
-and `train_fl` / `global_variables` / `local_variables` (FedAvg through
-`fedjax_pan.experiment.build`, and each sampled client's local model of the next round).
+and `train_fl` / `train_fl_run` / `global_variables` / `local_variables` (FedAvg through
+`fedjax_pan.experiment.build`, in memory or through a checkpointed workdir, and each sampled
+client's local model of the next round); `train_run` / `train_runs` (library runs of a
+sweep, kept for --resume); `seed_result` and `paired_stats` (multi-seed scripts).
 """
 
 from __future__ import annotations
@@ -535,6 +537,35 @@ def train_fl(cfg: Any, show_progress: bool = True, desc: str = "FL"
                                              cfg.rounds, progress=show_progress, desc=desc)
     accuracy = float(exp.evaluate(global_variables(exp, state))["accuracy"])
     return exp, state, {"train_loss": [float(h["train_loss"]) for h in history],
+                        "test_accuracy": accuracy}
+
+
+def train_fl_run(cfg: Any, run_dir: str, ctx: Context, desc: str = "FL"
+                 ) -> Tuple[Any, Any, Dict[str, Any]]:
+    """`train_fl` through the library's workdir (`train_run` into `run_dir`, a checkpoint
+    every round), so that with --resume an interrupted run continues and a finished one is
+    read back; returns (experiment, state of the last round, info) as `train_fl` does.
+    Raises TrainingDiverged if the run diverged."""
+    from fedjax_pan import experiment, workdir
+    from fedjax_pan.engine.simulation import SimState
+    from fedjax_pan.errors import TrainingDiverged
+
+    cfg = cfg.copy_and_resolve_references()
+    cfg.checkpoint_every = 1
+    summary, diverged = train_run(cfg, run_dir, ctx, desc)
+    if diverged:
+        raise TrainingDiverged(f"{desc}: training diverged (see {run_dir})")
+    exp = experiment.build(cfg)
+    state = exp.simulation.init(exp.variables)
+    ckpt = workdir.Checkpoints(run_dir)
+    try:
+        tree, _ = ckpt.restore(cfg.rounds, (state.server, state.client_states),
+                               saved_shapes=exp.simulation.shapes_change)
+    finally:
+        ckpt.close()
+    state = SimState(*tree, cfg.rounds)
+    accuracy = float(exp.evaluate(global_variables(exp, state))["accuracy"])
+    return exp, state, {"train_loss": [float(r["train_loss"]) for r in read_curve(run_dir)],
                         "test_accuracy": accuracy}
 
 

@@ -13,7 +13,9 @@ partition, cohorts and initial weights), and the effect is reported as the paire
 difference on - off with its spread over seeds.
 Presets: paper (full data, H = 20, E in {5, 20}), default (a 20,000-example subset, H = 5,
 E = 2; a few minutes a seed on 2 CPU cores), smoke (synthetic data, 32-wide MLP, K = 4,
-H = 2, seeds 0 and 1). --resume keeps the seeds already finished (seeds/s<seed>.json).
+H = 2, seeds 0 and 1). Each FL run trains into runs/<seed, E, alpha, PANs>/ with a
+checkpoint every round: --resume keeps the seeds already finished (seeds/s<seed>.json) and
+continues an interrupted run from its last round.
 Outputs: weight_divergence.csv (per seed, setting, PAN side and layer),
 weight_divergence_summary.csv (mean / std off and on, paired difference, on/off ratio per
 setting and layer), weight_divergence.json, fig6_divergence_E<E>_alpha<a>.png (mean +- std).
@@ -61,8 +63,9 @@ def one_seed(s: Settings, ctx: common.Context, seed: int) -> Dict[str, Any]:
             div, acc = {}, {}
             for name, pan in (("off", common.PANS_OFF), ("on", s.pan_on)):
                 cfg = common.fl_config(setup, pan, seed)
-                exp, state, info = common.train_fl(
-                    cfg, ctx.progress, f"s{seed} E={epochs:g} alpha={alpha:g} PANs {name}")
+                exp, state, info = common.train_fl_run(
+                    cfg, ctx.path(f"runs/s{seed}_E{epochs:g}_a{alpha:g}_{name}"), ctx,
+                    f"s{seed} E={epochs:g} alpha={alpha:g} PANs {name}")
                 local = common.local_variables(exp, state)
                 div[name] = weight_divergence([v["params"] for v in local])
                 acc[name] = info["test_accuracy"]

@@ -515,3 +515,21 @@ def test_sweeps_presets_are_valid_configs():
             assert (cfg.partition.alpha, cfg.shuffle.n_sf) == (cell.alpha, cell.n_sf)
         # Every PAN or shuffling effect has its reference cell in the preset.
         assert all(c.reference in s.cells for c in s.cells), name
+
+
+def test_fl_through_a_workdir_equals_the_in_memory_run(tmp_path):
+    from experiments.common import Context
+    s = weight_divergence.PRESETS["smoke"]
+    cfg = common.fl_config(s.setup, common.PANS_ON, seed=1)
+    exp, state, info = common.train_fl(cfg, False)
+    ctx = Context(str(tmp_path), 0, "smoke", False, resume=True)
+    run_dir = str(tmp_path / "r")
+    for _ in range(2):  # trained, then read back from its last checkpoint
+        exp2, state2, info2 = common.train_fl_run(cfg, run_dir, ctx)
+        assert state2.round == state.round == cfg.rounds
+        for a, b in zip(jax.tree_util.tree_leaves(common.global_variables(exp, state)),
+                        jax.tree_util.tree_leaves(common.global_variables(exp2, state2))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert info2["test_accuracy"] == info["test_accuracy"]
+        np.testing.assert_allclose(info2["train_loss"], info["train_loss"], rtol=1e-6)
+    assert len(os.listdir(os.path.join(run_dir, "checkpoints"))) >= 1
