@@ -158,10 +158,10 @@ def summarize(per_seed: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
             off, on = ([r["results"][side][analysis][layer] for r in per_seed]
                        for side in ("off", "on"))
             out.append({"analysis": analysis, "layer": layer,
-                        **common.paired_stats(off, on), "seeds": len(per_seed)})
+                        **experiment.paired_stats(off, on), "seeds": len(per_seed)})
     off, on = ([r["results"][side]["test_accuracy"] for r in per_seed] for side in ("off", "on"))
     out.append({"analysis": "test_accuracy", "layer": "global",
-                **common.paired_stats(off, on), "seeds": len(per_seed)})
+                **experiment.paired_stats(off, on), "seeds": len(per_seed)})
     return out
 
 

@@ -33,6 +33,7 @@ import numpy as np
 from experiments import common
 from experiments.common import Pan
 from fedjax_pan import models
+from fedjax_pan.experiment import paired_stats
 
 OPTIMIZERS = {"sgd": 0.05, "adam": 3e-4}  # App. F.1's learning rates for the MLP / VGG
 
@@ -108,13 +109,13 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     for opt, variant in dict.fromkeys((r["optimizer"], r["variant"]) for r in rows):
         mine = [r for r in rows if r["optimizer"] == opt and r["variant"] == variant]
         acc = np.asarray([r["test_accuracy"] for r in mine])
-        diff = np.asarray([r["test_accuracy"] - off[(opt, r["seed"])] for r in mine
-                           if (opt, r["seed"]) in off])
+        paired = [r for r in mine if (opt, r["seed"]) in off]
+        diff = paired_stats([off[(opt, r["seed"])] for r in paired],
+                            [r["test_accuracy"] for r in paired])
         out.append({"optimizer": opt, "variant": variant, "kind": mine[0]["kind"],
                     "amplitude": mine[0]["amplitude"], "seeds": len(mine),
                     "mean": float(acc.mean()), "std": float(acc.std()),
-                    "diff_mean": float(diff.mean()) if diff.size else float("nan"),
-                    "diff_std": float(diff.std()) if diff.size else float("nan")})
+                    "diff_mean": diff["diff_mean"], "diff_std": diff["diff_std"]})
     return out
 
 

@@ -11,10 +11,10 @@ wall time). A non-empty DIR is refused unless --overwrite; any bad argument prin
 `error:` line and exits with status 2.
 
 Training helpers: `train_centralised` (plain SGD with optax, one jitted step, numpy batches)
-and `train_fl` / `train_fl_run` / `global_variables` / `local_variables` (FedAvg through
-`fedjax_pan.experiment.build`, in memory or through a checkpointed workdir, and each sampled
-client's local model of the next round); `train_run` / `train_runs` (library runs of a
-sweep, kept for --resume); `seed_result` and `paired_stats` (multi-seed scripts).
+and `train_fl_run` / `global_variables` / `local_variables` (FedAvg through the library's
+checkpointed workdir, and each sampled client's local model of the next round);
+`train_run` / `train_runs` (library runs of a sweep, kept for --resume); `seed_result`
+(multi-seed scripts; their paired statistics are `fedjax_pan.experiment.paired_stats`).
 """
 
 from __future__ import annotations
@@ -255,21 +255,6 @@ def seed_result(ctx: Context, seed: int, settings: Any,
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_json(path, {"seed": seed, "settings": key, "result": result})
     return result
-
-
-def paired_stats(off: Sequence[float], on: Sequence[float]) -> Dict[str, float]:
-    """Mean and std (ddof 0) of `off` and `on` and of the paired difference on - off (element
-    i of each from the same seed); NaN entries (diverged runs) drop their pair."""
-    a, b = np.asarray(off, np.float64), np.asarray(on, np.float64)
-    if a.shape != b.shape:
-        raise ValueError(f"paired values need equal lengths, got {a.size} and {b.size}")
-    ok = np.isfinite(a) & np.isfinite(b)
-    a, b = a[ok], b[ok]
-    stat = (lambda v: (float(v.mean()), float(v.std()))) if ok.any() else (
-        lambda v: (float("nan"), float("nan")))
-    (om, osd), (nm, nsd), (dm, dsd) = stat(a), stat(b), stat(b - a)
-    return {"off_mean": om, "off_std": osd, "on_mean": nm, "on_std": nsd,
-            "diff_mean": dm, "diff_std": dsd, "pairs": int(ok.sum())}
 
 
 def mean_curve(runs: Sequence[Sequence[Mapping[str, Any]]]) -> Tuple[List[int], np.ndarray]:
@@ -526,25 +511,12 @@ def fl_config(setup: FLSetup, pan: Pan, seed: int):
     return cfg
 
 
-def train_fl(cfg: Any, show_progress: bool = True, desc: str = "FL"
-             ) -> Tuple[Any, Any, Dict[str, Any]]:
-    """Runs cfg.rounds rounds with the library's loop (no workdir); returns (experiment,
-    state, info) with info {"train_loss": per round, "test_accuracy": final global model}."""
-    from fedjax_pan import experiment
-
-    exp = experiment.build(cfg)
-    state, history = experiment.train_rounds(exp, exp.simulation.init(exp.variables),
-                                             cfg.rounds, progress=show_progress, desc=desc)
-    accuracy = float(exp.evaluate(global_variables(exp, state))["accuracy"])
-    return exp, state, {"train_loss": [float(h["train_loss"]) for h in history],
-                        "test_accuracy": accuracy}
-
-
 def train_fl_run(cfg: Any, run_dir: str, ctx: Context, desc: str = "FL"
                  ) -> Tuple[Any, Any, Dict[str, Any]]:
-    """`train_fl` through the library's workdir (`train_run` into `run_dir`, a checkpoint
+    """FedAvg `cfg` through the library's workdir (`train_run` into `run_dir`, a checkpoint
     every round), so that with --resume an interrupted run continues and a finished one is
-    read back; returns (experiment, state of the last round, info) as `train_fl` does.
+    read back; returns (experiment, state of the last round, info) with info
+    {"train_loss": per round, "test_accuracy": final global model}.
     Raises TrainingDiverged if the run diverged."""
     from fedjax_pan import experiment, workdir
     from fedjax_pan.engine.simulation import SimState

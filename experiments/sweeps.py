@@ -41,6 +41,7 @@ import numpy as np
 
 from experiments import common
 from experiments.common import FLSetup, Pan
+from fedjax_pan.experiment import paired_stats
 
 PANX = Pan("mul", 1.0, 0.1)
 
@@ -122,10 +123,9 @@ def summarize(s: Settings, rows: Sequence[Mapping[str, Any]]) -> List[Dict[str, 
                "diff_std": float("nan")}
         ref = cell.reference
         if ref != cell and ref in s.cells:
-            acc = [np.nan if r["diverged"] else r["final_accuracy"] for r in mine]
-            ref_acc = [np.nan if by[(ref.name, seed)]["diverged"]
-                       else by[(ref.name, seed)]["final_accuracy"] for seed in s.seeds]
-            stats = common.paired_stats(ref_acc, acc)
+            # A diverged run's accuracy is NaN (`common.train_run`): its pair drops out.
+            stats = paired_stats([by[(ref.name, seed)]["final_accuracy"] for seed in s.seeds],
+                                 [r["final_accuracy"] for r in mine])
             row.update(diff_mean=stats["diff_mean"], diff_std=stats["diff_std"])
         out.append(row)
     return out

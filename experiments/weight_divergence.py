@@ -33,6 +33,7 @@ import numpy as np
 from experiments import common
 from experiments.common import FLSetup, Pan
 from fedjax_pan.analysis import plot_divergence, weight_divergence
+from fedjax_pan.experiment import paired_stats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,7 @@ def summarize(results: Sequence[Mapping[str, Any]]) -> List[Dict[str, Any]]:
                 if layer == "test_accuracy":
                     return r["test_accuracy"][side]
                 return r["divergence"][side][layer]
-            stats = common.paired_stats([value(r, "off") for r in mine],
+            stats = paired_stats([value(r, "off") for r in mine],
                                         [value(r, "on") for r in mine])
             ratio = np.asarray([value(r, "on") / value(r, "off") for r in mine])
             out.append({"epochs": epochs, "alpha": alpha, "layer": layer, **stats,

@@ -33,7 +33,7 @@ from fedjax_pan.errors import ConfigError, Interrupted, TrainingDiverged, Workdi
 
 __all__ = ["ConfigError", "TrainingDiverged", "WorkdirError", "Interrupted", "Experiment",
            "validate", "build", "train", "train_rounds", "run", "summarize", "format_table",
-           "seed_groups", "compare_groups", "variant_configs"]
+           "seed_groups", "compare_groups", "paired_stats", "variant_configs"]
 
 # Keys that may change when resuming (to extend a run or change its reporting cadence).
 RESUMABLE_CHANGES = ("rounds", "eval", "checkpoint_every", "max_train_loss")
@@ -298,6 +298,21 @@ def seed_groups(configs: Dict[str, ml_collections.ConfigDict]) -> Dict[str, Dict
     return out
 
 
+def paired_stats(off: List[float], on: List[float]) -> Dict[str, float]:
+    """Mean and std (ddof 0) of `off` and `on` and of the paired difference on - off (element
+    i of each from the same seed); NaN entries (diverged runs) drop their pair."""
+    a, b = np.asarray(off, np.float64), np.asarray(on, np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"paired values need equal lengths, got {a.size} and {b.size}")
+    ok = np.isfinite(a) & np.isfinite(b)
+    a, b = a[ok], b[ok]
+    stat = (lambda v: (float(v.mean()), float(v.std()))) if ok.any() else (
+        lambda v: (float("nan"), float("nan")))
+    (om, osd), (nm, nsd), (dm, dsd) = stat(a), stat(b), stat(b - a)
+    return {"off_mean": om, "off_std": osd, "on_mean": nm, "on_std": nsd,
+            "diff_mean": dm, "diff_std": dsd, "pairs": int(ok.sum())}
+
+
 def compare_groups(summaries: Dict[str, Dict[str, Any]],
                    groups: Dict[str, Dict[int, str]]) -> List[Dict[str, Any]]:
     """Per group: mean and std (ddof 0) of the final accuracy over its seeds, and the
@@ -306,13 +321,12 @@ def compare_groups(summaries: Dict[str, Dict[str, Any]],
     out = []
     for group, members in groups.items():
         acc = np.asarray([summaries[v]["final_accuracy"] for v in members.values()])
-        diff = np.asarray([summaries[v]["final_accuracy"] - summaries[ref[seed]]["final_accuracy"]
-                           for seed, v in members.items() if seed in ref])
+        common = [seed for seed in members if seed in ref]
+        paired = paired_stats([summaries[ref[seed]]["final_accuracy"] for seed in common],
+                              [summaries[members[seed]]["final_accuracy"] for seed in common])
         out.append({"group": group, "seeds": sorted(members), "mean": float(acc.mean()),
-                    "std": float(acc.std()),
-                    "diff_mean": float(diff.mean()) if diff.size else float("nan"),
-                    "diff_std": float(diff.std()) if diff.size else float("nan"),
-                    "pairs": int(diff.size)})
+                    "std": float(acc.std()), "diff_mean": paired["diff_mean"],
+                    "diff_std": paired["diff_std"], "pairs": paired["pairs"]})
     return out
 
 

@@ -117,6 +117,15 @@ def test_variants_write_a_comparison(tmp_path):
     assert "pans_on_s2" in table and "pans_on - pans_off" in table
 
 
+def test_paired_stats_by_hand():
+    st = experiment.paired_stats([0.80, 0.90, 0.70], [0.78, 0.86, float("nan")])
+    # The NaN (a diverged run) drops its pair.
+    assert st["pairs"] == 2 and st["off_mean"] == pytest.approx(0.85)
+    assert st["diff_mean"] == pytest.approx(-0.03) and st["diff_std"] == pytest.approx(0.01)
+    with pytest.raises(ValueError, match="equal lengths"):
+        experiment.paired_stats([1.0], [1.0, 2.0])
+
+
 def test_seed_groups_need_the_seed_the_name_says():
     cfg = config()
     cfg.variants = {"a_s1": {"seed": 1}, "a_s2": {"seed": 2}, "b_s3": {"seed": 0},

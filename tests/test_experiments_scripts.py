@@ -408,15 +408,6 @@ def test_sweeps_resume_keeping_finished_runs(tmp_path, capsys):
     assert len(err) == 2 and "exclude" in err[0] and "no --resume" in err[1]
 
 
-def test_paired_stats_by_hand():
-    st = common.paired_stats([0.80, 0.90, 0.70], [0.78, 0.86, float("nan")])
-    # The NaN (a diverged run) drops its pair.
-    assert st["pairs"] == 2 and st["off_mean"] == pytest.approx(0.85)
-    assert st["diff_mean"] == pytest.approx(-0.03) and st["diff_std"] == pytest.approx(0.01)
-    with pytest.raises(ValueError, match="equal lengths"):
-        common.paired_stats([1.0], [1.0, 2.0])
-
-
 def test_seed_results_are_kept_for_resume(tmp_path):
     from experiments.common import Context
     calls = []
@@ -521,7 +512,13 @@ def test_fl_through_a_workdir_equals_the_in_memory_run(tmp_path):
     from experiments.common import Context
     s = weight_divergence.PRESETS["smoke"]
     cfg = common.fl_config(s.setup, common.PANS_ON, seed=1)
-    exp, state, info = common.train_fl(cfg, False)
+    # The reference: the library's rounds in memory, no workdir.
+    from fedjax_pan import experiment
+    exp = experiment.build(cfg)
+    state, history = experiment.train_rounds(exp, exp.simulation.init(exp.variables),
+                                             cfg.rounds, progress=False)
+    info = {"train_loss": [float(h["train_loss"]) for h in history],
+            "test_accuracy": float(exp.evaluate(common.global_variables(exp, state))["accuracy"])}
     ctx = Context(str(tmp_path), 0, "smoke", False, resume=True)
     run_dir = str(tmp_path / "r")
     for _ in range(2):  # trained, then read back from its last checkpoint
