@@ -68,8 +68,10 @@ class NaiveFedAvg:
 
     def round(self, params: PyTree, images: np.ndarray, labels: np.ndarray,
               client_indices: Sequence[np.ndarray], rng: np.random.Generator,
-              order: Optional[OrderFn] = None) -> Tuple[PyTree, float]:
-        """(uniform mean of the clients' trained params, mean per-step training loss).
+              order: Optional[OrderFn] = None,
+              weights: Optional[Sequence[float]] = None) -> Tuple[PyTree, float]:
+        """(mean of the clients' trained params, uniform or weighted by `weights`; mean
+        per-step training loss).
 
         `images`/`labels` are host arrays; `client_indices[m]` holds client m's example
         rows. `order` replaces the numpy shuffle (e.g. `engine_orders` for a comparison).
@@ -86,7 +88,9 @@ class NaiveFedAvg:
                                                          labels[batch])
                     losses.append(loss)
             trained.append(p)
-        mean = jax.tree_util.tree_map(lambda *xs: sum(xs) / len(xs), *trained)
+        w = np.ones(len(trained)) if weights is None else np.asarray(weights, np.float64)
+        w = [float(v) for v in w / w.sum()]
+        mean = jax.tree_util.tree_map(lambda *xs: sum(v * x for v, x in zip(w, xs)), *trained)
         return mean, float(np.mean(jax.device_get(losses)))
 
     def evaluate(self, params: PyTree, images: np.ndarray,

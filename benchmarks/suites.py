@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import profile_step
+from benchmarks import profile_step, throughput
 from benchmarks.naive import NaiveFedAvg, engine_orders, max_rel_diff
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
@@ -48,7 +48,8 @@ from fedjax_pan.models import grouped as grouped_lib
 
 PyTree = Any
 Log = Callable[[str], None]
-SECTIONS = ("mlp", "padding", "vgg", "scaling", "profile", "algorithms", "grouped_conv")
+SECTIONS = ("mlp", "padding", "vgg", "scaling", "profile", "algorithms", "grouped_conv",
+            "throughput")
 CONCRETE_IMPLS = tuple(i for i in grouped_lib.CONV_IMPLS if i != "auto")
 MLP_PARAMS = 2_913_290  # 784-1024-1024-1024-10
 
@@ -153,6 +154,8 @@ class Settings:
     grouped_rounds: Tuple[GroupedRound, ...] = ()
     # Algorithms with their own driver (FedMA): the MLP bench network at these widths.
     driver_hidden: Tuple[int, ...] = (1024, 1024, 1024)
+    # The FedJAX comparison workload (`benchmarks.throughput`).
+    throughput: throughput.ThroughputSettings = throughput.ThroughputSettings()
 
 
 def make_settings(suite: str = "cpu", quick: bool = False,
@@ -176,7 +179,7 @@ def make_settings(suite: str = "cpu", quick: bool = False,
             conv=conv, slow_round_s=5.0, scaling_per_round=(2, 5, 10), scaling_reps=1,
             grouped_layers=(GroupedLayer(8, 4, 24, 4),), grouped_reps=r,
             grouped_budget_s=0.5, grouped_step=(0.125, (8, 8, 1), 8), grouped_groups=2,
-            driver_hidden=(16, 16, 16),
+            driver_hidden=(16, 16, 16), throughput=throughput.quick_settings(),
             grouped_rounds=(
                 GroupedRound("vgg9_grouped", "vgg9", (("width", 0.125),), 2, 6, (8, 8, 1),
                              2, 16, 8, 1),
@@ -1034,7 +1037,9 @@ def grouped_conv_section(settings: Settings, ceiling: float, log: Log) -> Dict[s
 
 SECTION_FUNCTIONS = {"mlp": mlp_section, "padding": padding_section, "vgg": conv_section,
                      "scaling": scaling_section, "profile": profile_section,
-                     "algorithms": algorithms_section, "grouped_conv": grouped_conv_section}
+                     "algorithms": algorithms_section, "grouped_conv": grouped_conv_section,
+                     "throughput": lambda settings, ceiling, log: throughput.throughput_section(
+                         settings.throughput, ceiling, log)}
 
 
 def run_suite(settings: Settings, only: Sequence[str] = SECTIONS,

@@ -126,6 +126,11 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
     except (UsageError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return getattr(e, "status", 2)
+    from fedjax_pan.engine.compiles import use_compilation_cache
+    try:
+        use_compilation_cache()  # a resumed or repeated run loads its programs
+    except OSError as e:  # an unwritable home costs compile time, not the run
+        print(f"warning: no compilation cache ({e})", file=sys.stderr)
     ctx = Context(args.out, args.seed or 0, args.preset, args.progress, args.resume)
     start = time.time()
     try:

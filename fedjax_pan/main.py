@@ -37,6 +37,9 @@ def _flags(argv: List[str]) -> flags.FlagValues:
     flags.DEFINE_bool("overwrite", False, "replace a non-empty workdir once the new run "
                       "succeeds", flag_values=fv)
     flags.DEFINE_bool("progress", True, "show a progress bar", flag_values=fv)
+    flags.DEFINE_string("compilation_cache", "~/.cache/fedjax_pan/xla",
+                        "persistent XLA compilation cache ('' = off; $JAX_COMPILATION_CACHE_DIR "
+                        "wins)", flag_values=fv)
     return fv
 
 
@@ -123,8 +126,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         return _error(f"--config and --workdir are required; {USAGE}")
 
     from fedjax_pan import experiment, workdir  # heavy imports only once the flags are valid
+    from fedjax_pan.engine.compiles import use_compilation_cache
     from fedjax_pan.errors import RunError
 
+    try:
+        use_compilation_cache(fv.compilation_cache)
+    except OSError as e:
+        return _error(f"--compilation_cache={fv.compilation_cache!r} cannot be used: {e}",
+                      status=4)
     workdir.raise_on_sigterm()
     try:
         summaries = experiment.run(cfg, fv.workdir, resume=fv.resume,

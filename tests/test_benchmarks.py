@@ -24,6 +24,7 @@ from fedjax_pan.models import grouped as grouped_lib
 if ROOT not in sys.path:  # benchmarks/ is a top-level folder, not an installed package
     sys.path.insert(0, ROOT)
 
+from benchmarks import fedjax_style  # noqa: E402
 from benchmarks import naive as naive_lib  # noqa: E402
 from benchmarks import run as run_lib  # noqa: E402
 from benchmarks import suites  # noqa: E402
@@ -70,8 +71,8 @@ def _engine_configs(results):
 def test_every_section_is_present(quick):
     _, results, _ = quick
     for section in ("meta", "settings", "matmul", "mlp", "padding", "vgg", "scaling",
-                    "profile", "algorithms", "grouped_conv", "compiles", "memory", "targets",
-                    "total_seconds"):
+                    "profile", "algorithms", "grouped_conv", "throughput", "compiles", "memory",
+                    "targets", "total_seconds"):
         assert section in results, section
     from fedjax_pan.algorithms import ALGORITHMS
     algos = results["algorithms"]["algorithms"]
@@ -153,11 +154,13 @@ def test_suite_records_engine_naive_agreement(quick):
 def test_targets_and_reports_are_written(quick):
     out, results, stdout = quick
     names = [t["name"] for t in results["targets"]]
-    assert len(names) == 11 and all(t["status"] in ("PASS", "MISS") for t in results["targets"])
+    assert len(names) == 13 and all(t["status"] in ("PASS", "MISS") for t in results["targets"])
     markdown = (out / "RESULTS.md").read_text()
     for needle in ["# Benchmark results", "## Targets", "## MLP bench", "## Scaling",
                    "## What stands between the MLP step and the matmul ceiling",
                    "## Algorithms on the MLP bench", "## Execution strategy for grouped models",
+                   "## FedJAX workload (Fashion-MNIST, 20 clients)",
+                   "## Start-up on the FedJAX workload",
                    "- commit:", "- machine:", "jax " + results["meta"]["jax"]]:
         assert needle in markdown, needle
     assert all(name in markdown and name in stdout for name in names)
@@ -215,6 +218,88 @@ def test_naive_round_matches_engine_round(strategy, block_size):
     other, _ = naive.round(variables["params"], images, labels, chosen,
                            np.random.default_rng(0))
     assert naive_lib.max_rel_diff(engine, other) > 1e-3
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fedjax_style_and_weighted_naive_rounds_match_engine_round(momentum):
+    images, labels, parts, model, variables, _ = _setup()
+    algorithm = fedavg(model, client_optimizer(0.05, momentum, 0.0, None))
+    data = ClientData.create(images, labels, parts)
+    work = LocalWork(BATCH, EPOCHS)
+    sim = Simulation(algorithm, data, work, make_executor("auto", algorithm, work, data,
+                                                          variables, 4),
+                     4 / len(SIZES), aggregation="num_examples", seed=3)
+    state = sim.init(variables)
+    cohort = sim.cohort(state, 0)
+    engine = algorithm.eval_variables(sim.round(state)[0].server)["params"]
+    chosen = [parts[i] for i in cohort.ids]
+    order = naive_lib.engine_orders(cohort.data_keys, data.max_size)
+
+    fj = fedjax_style.FedJaxStyleFedAvg(model, 0.05, momentum, BATCH, EPOCHS)
+    same, examples = fj.round(variables["params"], images, labels, chosen,
+                              np.random.default_rng(0), jax.random.PRNGKey(0), order)
+    assert examples == EPOCHS * sum(len(p) for p in chosen)
+    assert naive_lib.max_rel_diff(same, engine) <= 1e-4
+    naive = naive_lib.NaiveFedAvg(model, 0.05, momentum, BATCH, EPOCHS)
+    weighted, _ = naive.round(variables["params"], images, labels, chosen,
+                              np.random.default_rng(0), order, weights=data.sizes[cohort.ids])
+    assert naive_lib.max_rel_diff(weighted, engine) <= 1e-4
+    # Not vacuous: uniform weights, or FedJAX's own numpy shuffle, give another model.
+    uniform, _ = naive.round(variables["params"], images, labels, chosen,
+                             np.random.default_rng(0), order)
+    assert naive_lib.max_rel_diff(uniform, engine) > 1e-3
+    other, _ = fj.round(variables["params"], images, labels, chosen,
+                        np.random.default_rng(0), jax.random.PRNGKey(0))
+    assert naive_lib.max_rel_diff(other, engine) > 1e-3
+
+
+def test_throughput_section(quick):
+    """The FedJAX workload: rows, ratios from the throughputs, agreement, start-up."""
+    out, results, _ = quick
+    r = results["throughput"]
+    configs = r["configs"]
+    auto = f"{r['auto']} (auto)"
+    assert set(configs) >= {auto, "fedjax-style loop", "naive loop"}
+    fj, nv = (configs[k]["examples_per_second"] for k in ("fedjax-style loop", "naive loop"))
+    for name, c in configs.items():
+        assert c["vs_fedjax_style"] == pytest.approx(c["examples_per_second"] / fj)
+        assert c["vs_naive"] == pytest.approx(c["examples_per_second"] / nv)
+        assert c["reps"] == results["settings"]["throughput"]["reps"]
+        if "loop" not in name or name.startswith("loop"):  # engine rows
+            assert c["compiles_timed"] == 0, name
+    assert configs["fedjax-style loop"]["vs_fedjax_style"] == 1.0
+    assert all(0 <= d <= 1e-4 for d in r["agreement_max_rel_diff"].values())
+    target = {t["name"]: t for t in results["targets"]}[
+        "FedJAX workload: engine (auto) training throughput >= 1.1x the FedJAX-style loop"]
+    assert target["value"] == pytest.approx(configs[auto]["vs_fedjax_style"])
+    rows = r["startup"]
+    assert list(rows) == ["engine (cold cache)", "engine (warm cache)", "fedjax-style"]
+    for row in rows.values():
+        parts = row["imports_s"] + row["data_s"] + row["build_s"] + row["first_round_s"]
+        assert row["to_first_round_s"] == pytest.approx(parts, rel=1e-6)
+        assert 0 < row["to_first_round_s"] < row["process_s"] and row["compiles"] > 0
+    # The warm run loads what the cold one compiled.
+    assert (rows["engine (warm cache)"]["compile_s"] <
+            0.5 * rows["engine (cold cache)"]["compile_s"])
+    assert "| fedjax-style loop |" in (out / "RESULTS.md").read_text()
+
+
+def test_use_compilation_cache(tmp_path, monkeypatch):
+    from fedjax_pan.engine import compiles
+    monkeypatch.setenv(compiles.CACHE_ENV, "/somewhere/else")
+    assert compiles.use_compilation_cache(str(tmp_path / "c")) == "/somewhere/else"
+    assert not (tmp_path / "c").exists()  # the environment's cache wins, nothing created
+    monkeypatch.delenv(compiles.CACHE_ENV)
+    assert compiles.use_compilation_cache("") is None
+    before = (jax.config.jax_compilation_cache_dir,
+              jax.config.jax_persistent_cache_min_compile_time_secs)
+    try:
+        assert compiles.use_compilation_cache(str(tmp_path / "c")) == str(tmp_path / "c")
+        assert (tmp_path / "c").is_dir()
+        assert jax.config.jax_compilation_cache_dir == str(tmp_path / "c")
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
 
 
 def test_unbucketed_executor_keeps_cohort_order():

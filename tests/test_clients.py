@@ -7,7 +7,7 @@ import pytest
 
 from conftest import tiny_clients
 from fedjax_pan.engine.clients import (Augment, ClientData, LocalWork, augment_batch,
-                                       epoch_order, make_batch, real_examples, step_rows,
+                                       epoch_order, real_examples, step_batch, step_rows,
                                        tail_rows)
 
 
@@ -42,7 +42,7 @@ def test_every_epoch_visits_each_client_example_exactly_once():
     for epoch in range(3):
         seen, masks = [], []
         for b in range(per_epoch):
-            batch = make_batch(cd.images, cd.labels, cd.index_table[client], jnp.int32(size),
+            batch = step_batch(cd.images, cd.labels, cd.index_table[client], jnp.int32(size),
                                key, jnp.int32(epoch * per_epoch + b), batch_size)
             m = np.asarray(batch["mask"]) > 0
             masks.append(int(m.sum()))
@@ -60,8 +60,8 @@ def test_every_epoch_visits_each_client_example_exactly_once():
 def test_a_short_batch_on_fewer_rows_holds_the_same_examples():
     _, cd = tiny_clients([37, 50])
     key, size, t = jax.random.PRNGKey(5), jnp.int32(37), jnp.int32(9)  # epoch 1, batch 4
-    full = make_batch(cd.images, cd.labels, cd.index_table[0], size, key, t, 8)
-    short = make_batch(cd.images, cd.labels, cd.index_table[0], size, key, t, 8, rows=6)
+    full = step_batch(cd.images, cd.labels, cd.index_table[0], size, key, t, 8)
+    short = step_batch(cd.images, cd.labels, cd.index_table[0], size, key, t, 8, rows=6)
     np.testing.assert_array_equal(np.asarray(full["mask"]), [1] * 5 + [0] * 3)
     np.testing.assert_array_equal(np.asarray(short["mask"]), [1] * 5 + [0])
     for k in ("x", "y"):

@@ -4,7 +4,8 @@ The training set lives once on the device; a client is a row of a padded index t
 Batches are gathered inside the compiled step: in epoch e, client k visits its examples
 in the order of a permutation drawn from fold_in(key_k, e), B at a time. The permutation
 is drawn at the fixed width of the largest client, so every execution strategy (and the
-sequential reference) sees the same batches. A last partial batch of r examples is
+sequential reference) sees the same batches; executors draw it once per epoch and carry
+it through the epoch's steps. A last partial batch of r examples is
 computed on `tail_rows` rows (r rounded up to a multiple of ceil(B/4): at most three
 compiled tail shapes, not one per size) or, where clients step in lockstep, on B rows; the
 padding rows are masked either way.
@@ -147,23 +148,38 @@ def epoch_order(key: jax.Array, epoch: jax.Array, size: jax.Array, width: int) -
     return jnp.argsort(u).astype(jnp.int32)
 
 
+def batch_order(key: jax.Array, epoch: jax.Array, size: jax.Array, width: int,
+                batch_size: int) -> jax.Array:
+    """The epoch's order (`epoch_order`) followed by B zeros, so that any batch of it
+    slices in bounds. Drawn once per epoch: at the full table width the sort costs
+    about a fifth of an MLP step (1.6 ms at width 7,063 on 2 CPU cores)."""
+    return jnp.concatenate([epoch_order(key, epoch, size, width),
+                            jnp.zeros((batch_size,), jnp.int32)])
+
+
 def make_batch(images: jax.Array, labels: jax.Array, index_row: jax.Array, size: jax.Array,
-               key: jax.Array, step: jax.Array, batch_size: int,
+               order: jax.Array, b: jax.Array, batch_size: int,
                rows: Optional[int] = None) -> Dict[str, jax.Array]:
-    """The client's batch at local step `step` (cycling reshuffled epochs), on `rows`
-    rows (default B; fewer for a last partial batch); rows past the client's data are
-    masked."""
+    """Batch `b` of an epoch whose example order is `order` (from `batch_order`), on
+    `rows` rows (default B; fewer for a last partial batch); rows past the client's data
+    are masked."""
     rows = batch_size if rows is None else rows
-    width = index_row.shape[0]
-    per_epoch = (size + batch_size - 1) // batch_size
-    epoch, b = step // per_epoch, step % per_epoch
-    order = jnp.concatenate([epoch_order(key, epoch, size, width),
-                             jnp.zeros((batch_size,), jnp.int32)])
     start = b * batch_size
     pos = jax.lax.dynamic_slice(order, (start,), (rows,))
     mask = (start + jnp.arange(rows)) < size
     idx = index_row[pos]
     return {"x": images[idx], "y": labels[idx], "mask": mask.astype(jnp.float32)}
+
+
+def step_batch(images: jax.Array, labels: jax.Array, index_row: jax.Array, size: jax.Array,
+               key: jax.Array, step: jax.Array, batch_size: int,
+               rows: Optional[int] = None) -> Dict[str, jax.Array]:
+    """The client's batch at local step `step` (cycling reshuffled epochs), drawing its
+    epoch's order anew: the definition the executors' once-per-epoch orders must match."""
+    per_epoch = (size + batch_size - 1) // batch_size
+    order = batch_order(key, step // per_epoch, size, index_row.shape[0], batch_size)
+    return make_batch(images, labels, index_row, size, order, step % per_epoch, batch_size,
+                      rows)
 
 
 def tail_rows(sizes: np.ndarray, batch_size: int) -> np.ndarray:

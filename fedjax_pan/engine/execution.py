@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm, tree_bytes
 from fedjax_pan.engine.clients import (ClientData, LocalWork, augment_batch, augment_key,
-                                       computed_alone, make_batch,
+                                       batch_order, computed_alone, make_batch, step_batch,
                                        step_rows, tail_rows)
 
 PyTree = Any
@@ -73,7 +73,8 @@ class ClientProgram:
         self.batch_size = work.batch_size
         self.augment = work.augment
         self.stacked = algorithm.aggregator.stacked
-        self._batch = jax.eval_shape(lambda: make_batch(
+        self.width = data.max_size
+        self._batch = jax.eval_shape(lambda: step_batch(
             data.images, data.labels, data.index_table[0], jnp.int32(1),
             jax.random.PRNGKey(0), jnp.int32(0), self.batch_size))
         self._metric_shapes = None
@@ -92,10 +93,16 @@ class ClientProgram:
         local = self.algorithm.client_init(server, client_state, ctx)
         return local, self.metric_zeros(server, client_state, ctx)
 
-    def step(self, arrays, server, carry, info, t, masked: bool = True,
+    def order(self, info, epoch):
+        """The client's batch order for `epoch` (`clients.batch_order`): drawn once per
+        epoch and handed to each of the epoch's steps."""
+        _, size, key, _ = info
+        return batch_order(key, epoch, size, self.width, self.batch_size)
+
+    def step(self, arrays, server, carry, info, t, order, masked: bool = True,
              rows: Optional[int] = None):
-        """One local step on `rows` batch rows; if `masked`, a client past its step count
-        keeps its state.
+        """One local step on `rows` batch rows, `order` being step `t`'s epoch order;
+        if `masked`, a client past its step count keeps its state.
 
         The mask is a select over the whole state (a full extra memory pass), so callers
         that know every client is active pass masked=False.
@@ -103,7 +110,9 @@ class ClientProgram:
         local, acc = carry
         images, labels, table = arrays
         client, size, key, steps = info
-        batch = make_batch(images, labels, table[client], size, key, t, self.batch_size, rows)
+        per_epoch = (size + self.batch_size - 1) // self.batch_size
+        batch = make_batch(images, labels, table[client], size, order, t % per_epoch,
+                           self.batch_size, rows)
         if self.augment is not None:
             batch = {**batch, "x": augment_batch(batch["x"], augment_key(key, t), self.augment)}
         new_local, metrics = self.algorithm.client_step(local, batch, server)
@@ -122,19 +131,20 @@ class ClientProgram:
         clients and the step count is a loop bound, not a shape.
         """
         _, size, _, steps = info
-        step = lambda t, c: self.step(arrays, server, c, info, t, masked=False)  # noqa: E731
         per_epoch = (size + self.batch_size - 1) // self.batch_size
         full = per_epoch - (tail_index > 0)
 
-        def tail_step(rows):
-            return lambda t, c: self.step(arrays, server, c, info, t, masked=False, rows=rows)
-        branches = [lambda t, c: c] + [tail_step(r) for r in tails]
+        def step(order, rows=None):
+            return lambda t, c: self.step(arrays, server, c, info, t, order, masked=False,
+                                          rows=rows)
 
         def epoch(e, c):
             t0 = e * per_epoch
-            c = jax.lax.fori_loop(t0, jnp.minimum(t0 + full, steps), step, c)
+            order = self.order(info, e)
+            c = jax.lax.fori_loop(t0, jnp.minimum(t0 + full, steps), step(order), c)
             # A partial last epoch (fractional E, 'steps' mode) may stop before its tail.
             which = jnp.where(t0 + full < steps, tail_index, 0)
+            branches = [lambda t, c: c] + [step(order, r) for r in tails]
             return jax.lax.switch(which, branches, t0 + full, c)
         return jax.lax.fori_loop(0, (steps + per_epoch - 1) // per_epoch, epoch, carry)
 
@@ -216,10 +226,11 @@ class LoopExecutor:
         p = self.program
         self._init = jax.jit(p.init)
         self._reset = jax.jit(lambda carry, *args: p.init(*args), donate_argnums=(0,))
+        self._order = jax.jit(p.order)
         # Clients run exactly their own steps here, so no step needs a mask.
-        self._step = jax.jit(lambda arrays, server, carry, info, t, rows: p.step(
-            arrays, server, carry, info, t, masked=False, rows=rows), static_argnums=(5,),
-            donate_argnums=(2,) if self.donate else ())
+        self._step = jax.jit(lambda arrays, server, carry, info, t, order, rows: p.step(
+            arrays, server, carry, info, t, order, masked=False, rows=rows),
+            static_argnums=(6,), donate_argnums=(2,) if self.donate else ())
         self._end = jax.jit(self._accumulate, donate_argnums=(3, 4))
         self._arrays = (self.data.images, self.data.labels, self.data.index_table)
         self._compiled: Optional[dict] = None
@@ -241,7 +252,8 @@ class LoopExecutor:
         # (whose cohort may hold new tail sizes) compiles.
         b = self.program.batch_size
         shapes = {b} | {int(r) for r in tail_rows(self.data.sizes, b) if r}
-        return {r: self._step.lower(self._arrays, server, carry, info, jnp.int32(0),
+        order = jax.eval_shape(self.program.order, info, jnp.int32(0))
+        return {r: self._step.lower(self._arrays, server, carry, info, jnp.int32(0), order,
                                     r).compile() for r in sorted(shapes)}
 
     def run(self, server: PyTree, cohort: Cohort) -> CohortResult:
@@ -260,9 +272,13 @@ class LoopExecutor:
                 carry = self._reset(carry, server, client_state, ctx)
             if self._compiled is None:
                 self._compiled = self._compile(server, carry, info)
-            rows = step_rows(int(self.data.sizes[client]), int(cohort.steps[m]), p.batch_size)
-            for t, r in enumerate(rows):
-                carry = self._compiled[r](self._arrays, server, carry, info, jnp.int32(t))
+            size = int(self.data.sizes[client])
+            per_epoch = -(-size // p.batch_size)
+            for t, r in enumerate(step_rows(size, int(cohort.steps[m]), p.batch_size)):
+                if t % per_epoch == 0:
+                    order = self._order(info, jnp.int32(t // per_epoch))
+                carry = self._compiled[r](self._arrays, server, carry, info, jnp.int32(t),
+                                          order)
             result, metrics, state = self._end(server, carry, jnp.float32(cohort.weights[m]),
                                                out_sum, metrics)
             if p.stacked:
@@ -303,10 +319,23 @@ class VmapExecutor:
         arrays = (self.data.images, self.data.labels, self.data.index_table)
         self._arrays = self._replicate(arrays)
         over_clients = functools.partial(_over_clients, single=self.single)
-        # A lone client has no one to wait for: its steps need no mask.
-        step = functools.partial(p.step, masked=not self.single)
-        if not self.single:
-            step = jax.vmap(step, in_axes=(None, None, 0, 0, None))
+        # Lockstep blocks: clients past their step count are masked (a lone client runs
+        # `train_alone`, unmasked).
+        step = jax.vmap(functools.partial(p.step, masked=True),
+                        in_axes=(None, None, 0, 0, None, 0))
+        orders_of = jax.vmap(p.order)
+
+        def lockstep(arrays, server, info, t, c):
+            """One step of every client in the block; a client starting an epoch draws
+            its order first (outside the vmap, so steps without one skip the sort)."""
+            carry, orders = c
+            per_epoch = (info[1] + p.batch_size - 1) // p.batch_size
+            starts = t % per_epoch == 0
+            orders = jax.lax.cond(
+                jnp.any(starts),
+                lambda o: jnp.where(starts[:, None], orders_of(info, t // per_epoch), o),
+                lambda o: o, orders)
+            return step(arrays, server, carry, info, t, orders), orders
 
         def run_block(arrays, server, client_states, ctx, info, num_steps, tail_index,
                       weights, out_sum, metrics):
@@ -319,8 +348,10 @@ class VmapExecutor:
                                       self.tails, tail_index)
                 carry = tree_map(lambda x: x[None], local)
             else:
-                carry = jax.lax.fori_loop(0, num_steps,
-                                          lambda t, c: step(arrays, server, c, info, t), carry)
+                orders = jnp.zeros((self.block_size, p.width + p.batch_size), jnp.int32)
+                carry, _ = jax.lax.fori_loop(
+                    0, num_steps, lambda t, c: lockstep(arrays, server, info, t, c),
+                    (carry, orders))
             outs, states, acc = over_clients(p.finish, (None, 0, 0))(
                 server, self._constrain(carry), weights)
             outs = outs if out_sum is None else _add(out_sum, _sum0(outs))
