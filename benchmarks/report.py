@@ -207,7 +207,8 @@ def _throughput_blocks(r: Dict[str, Any]) -> List[tuple]:
              f"(the same cohorts for every row), B={w['batch_size']}, E={w['epochs']}, SGD "
              f"lr {w['learning_rate']:g} momentum {w['momentum']:g}, {w['params']:,} params, "
              "FedAvg weighted by examples",
-             "timed rounds interleaved across rows; examples/s = real training examples "
+             "timed rounds interleaved across rows (each round starting with the next "
+             "row); examples/s = real training examples "
              "(sample-epochs) per second of training; `vs` columns are this row's "
              "throughput over the baseline's, measured in this run",
              "FedJAX-style = FedJAX's jit backend (host-side batches, one dispatch per step, "

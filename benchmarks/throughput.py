@@ -6,8 +6,8 @@ same cohorts for every configuration), MLP 784-1024x3-10, E=5, B=64, SGD lr 0.05
 momentum, FedAvg weighted by client examples. Timed per configuration: the engine (`auto`
 and `loop`), the naive per-batch loop (`naive.NaiveFedAvg`) and FedJAX's way of running
 FedAvg (`fedjax_style.FedJaxStyleFedAvg`: host-side batches, one dispatch per step).
-Timed rounds are interleaved (round r of every configuration, then round r + 1), so a
-drift in the machine's speed hits all of them alike; throughput is real training examples
+Timed rounds are interleaved (round r of every configuration, then round r + 1, each round
+starting with the next row), so a drift in the machine's speed hits all of them alike; throughput is real training examples
 (sample-epochs) per second of training.
 
 Start-up: a fresh process per row (`python -m benchmarks.throughput --startup WHICH`)
@@ -65,7 +65,7 @@ class ThroughputSettings:
     momentum: float = 0.0
     hidden: Tuple[int, ...] = (1024, 1024, 1024)
     synthetic_examples: int = 2000  # used when the dataset is synthetic
-    reps: int = 2
+    reps: int = 3
     seed: int = 0
     startup: bool = True
 
@@ -194,8 +194,11 @@ def throughput_section(s: ThroughputSettings, ceiling: float, log: Log) -> Dict[
         c.compiles_warmup, c.compile_seconds_warmup = warm.count, warm.seconds
         firsts[k] = c.params()
         log(f"[throughput] {k}: warm-up round done")
+    names = list(configs)
     for r in range(1, s.reps + 1):
-        for k, c in configs.items():
+        # Each round starts with another row, so no row always runs first after a switch.
+        for k in names[(r - 1) % len(names):] + names[:(r - 1) % len(names)]:
+            c = configs[k]
             with count_compiles() as timed:
                 t0 = time.perf_counter()
                 c.examples.append(c.run(r))

@@ -141,7 +141,16 @@ class ClientProgram:
         def epoch(e, c):
             t0 = e * per_epoch
             order = self.order(info, e)
-            c = jax.lax.fori_loop(t0, jnp.minimum(t0 + full, steps), step(order), c)
+            one = step(order)
+            n = jnp.minimum(t0 + full, steps) - t0  # full batches this epoch
+            # Two steps per iteration: the first writes fresh buffers, the second the loop's
+            # own, whose old values are dead by then, so XLA updates the weights in place
+            # instead of copying them every step (one step per iteration keeps the old
+            # weights alive for the backward pass while the new ones are written).
+            c = jax.lax.cond(n % 2 == 1, lambda c: one(t0, c), lambda c: c, c)
+            start = t0 + n % 2
+            c = jax.lax.fori_loop(0, n // 2, lambda i, c: one(start + 2 * i + 1,
+                                                              one(start + 2 * i, c)), c)
             # A partial last epoch (fractional E, 'steps' mode) may stop before its tail.
             which = jnp.where(t0 + full < steps, tail_index, 0)
             branches = [lambda t, c: c] + [step(order, r) for r in tails]
