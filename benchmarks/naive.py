@@ -88,9 +88,13 @@ class NaiveFedAvg:
                                                          labels[batch])
                     losses.append(loss)
             trained.append(p)
-        w = np.ones(len(trained)) if weights is None else np.asarray(weights, np.float64)
-        w = [float(v) for v in w / w.sum()]
-        mean = jax.tree_util.tree_map(lambda *xs: sum(v * x for v, x in zip(w, xs)), *trained)
+        if weights is None:
+            mean = jax.tree_util.tree_map(lambda *xs: sum(xs) / len(xs), *trained)
+        else:
+            w = np.asarray(weights, np.float64)
+            w = [float(v) for v in w / w.sum()]
+            mean = jax.tree_util.tree_map(lambda *xs: sum(v * x for v, x in zip(w, xs)),
+                                          *trained)
         return mean, float(np.mean(jax.device_get(losses)))
 
     def evaluate(self, params: PyTree, images: np.ndarray,

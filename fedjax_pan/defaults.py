@@ -33,7 +33,10 @@ def default_config() -> ml_collections.ConfigDict:
                                        "ratio": 1.0})
     c.partition = ml_collections.ConfigDict({
         "scheme": "dirichlet_by_client", "num_clients": 100, "alpha": 0.1,
-        "classes_per_client": placeholder(int), "min_size": placeholder(int), "balance": False})
+        "classes_per_client": placeholder(int), "min_size": placeholder(int), "balance": False,
+        # > 0: each client keeps this share of its data as its own test set, and every
+        # evaluation also scores each client on it (PFLlib 0.25, the PAN authors 0.2).
+        "test_fraction": 0.0})
     c.local = ml_collections.ConfigDict({"epochs": 5.0, "batch_size": 64, "mode": "epochs",
                                          "local_steps": placeholder(int)})
     c.optimizer = ml_collections.ConfigDict({

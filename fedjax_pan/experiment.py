@@ -28,6 +28,7 @@ from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.algorithms.shuffle import with_shuffling
 from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, clients_per_round,
                                count_compiles, make_evaluator, make_executor, resolve_strategy)
+from fedjax_pan.engine.evaluation import client_metrics, make_client_evaluator
 from fedjax_pan.engine.simulation import SimState
 from fedjax_pan.errors import ConfigError, Interrupted, TrainingDiverged, WorkdirError
 
@@ -53,6 +54,9 @@ class Experiment:
     evaluate: Any
     strategy: str
     setup_compiles: int = 0
+    # Each client scored on its own test part (partition.test_fraction > 0), else None.
+    client_evaluate: Any = None
+    test_indices: Optional[List[np.ndarray]] = None
 
 
 def _check(cond: bool, message: str) -> None:
@@ -164,6 +168,9 @@ def build(cfg: ml_collections.ConfigDict,
                                    num_classes=ds.num_classes, groups=ds.train_groups)
     except ValueError as e:
         raise ConfigError(f"partition: {e}") from None
+    test_parts = None
+    if p.test_fraction > 0:
+        parts, test_parts = data_lib.split_clients(parts, p.test_fraction, cfg.seed)
     pan = None if not cfg.pan.amplitude else cfg.pan.to_dict()
     try:
         model = models.build(cfg.model.name, ds.num_classes, pan=pan, norm=cfg.model.norm,
@@ -177,6 +184,11 @@ def build(cfg: ml_collections.ConfigDict,
                      cfg.local.local_steps, _augment(cfg, ds))
     evaluate = make_evaluator(model, test_x, ds.test_labels, cfg.eval.batch_size,
                               ds.num_classes)
+    local = {}
+    if test_parts is not None:
+        local = {"client_evaluate": make_client_evaluator(model, train_x, ds.train_labels,
+                                                          test_parts, cfg.eval.batch_size),
+                 "test_indices": test_parts}
     strategy = resolve_strategy(cfg.execution.strategy, variables)
     driver = algorithms.ALGORITHMS[cfg.algorithm].driver
     if driver is not None:  # rounds run by the algorithm's own driver (e.g. FedMA)
@@ -187,7 +199,8 @@ def build(cfg: ml_collections.ConfigDict,
                                 work)
         except ValueError as e:
             raise ConfigError(f"config.{cfg.algorithm}: {e}") from None
-        return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy)
+        return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy,
+                          **local)
     try:
         algorithm = algorithms.from_config(model, cfg)
     except ValueError as e:
@@ -205,7 +218,7 @@ def build(cfg: ml_collections.ConfigDict,
         raise ConfigError(f"config.execution: {e}") from None
     simulation = Simulation(algorithm, client_data, work, executor, cfg.participation,
                             cfg.aggregation.weights, cfg.seed)
-    return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy)
+    return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy, **local)
 
 
 # ----------------------------------------------------------------------------------------
@@ -367,6 +380,18 @@ def _divergence(loss: float, cfg: ml_collections.ConfigDict) -> Optional[str]:
     return f"training loss {loss:.4g} {why}"
 
 
+def evaluate_clients(exp: Experiment, state: SimState, net: Any, global_variables: Any
+                     ) -> Dict[str, float]:
+    """Each client's own model (or the global one) on its own test part: the PFLlib
+    aggregate and the spread over clients (`engine.evaluation.client_metrics`)."""
+    personal = getattr(exp.simulation, "personal_evaluation", lambda s: None)(state)
+    if personal is None:
+        counts = exp.client_evaluate(global_variables, net=net)
+    else:  # vmapped like training, except where training loops (CPU convnets)
+        counts = exp.client_evaluate(personal, personal=True, vmapped=exp.strategy != "loop")
+    return client_metrics(counts["correct"], counts["count"])
+
+
 def train_rounds(exp: Experiment, state: SimState, rounds: int, *, progress: bool = True,
                  desc: str = "rounds") -> tuple:
     """`rounds` more rounds of `exp` without a workdir (analyses, notebooks): the new state
@@ -477,6 +502,8 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                            **({"download_bytes": stats["download_bytes"]}
                               if "download_bytes" in stats else {}),
                            "seconds": time.time() - t0}
+                    if exp.client_evaluate is not None:
+                        row.update(evaluate_clients(exp, new_state, net, evaluated))
                     if cfg.eval.local:
                         local_acc = label_mix @ ev["class_accuracy"]
                         row.update(local_test_accuracy_mean=float(local_acc.mean()),

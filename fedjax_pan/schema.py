@@ -63,6 +63,7 @@ RULES: Dict[str, Rule] = {
     "partition.classes_per_client": between(1, integer=True, optional=True),
     "partition.min_size": between(1, integer=True, optional=True),
     "partition.balance": Rule(boolean),
+    "partition.test_fraction": between(0, 1, hi_open=True),
     "local.epochs": between(0, lo_open=True),
     "local.batch_size": between(1, integer=True),
     "local.mode": one_of(STEP_MODES),

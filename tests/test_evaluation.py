@@ -22,3 +22,62 @@ def test_evaluator_matches_direct_computation():
     for c in range(10):
         sel = ds.test_labels == c
         assert abs(got["class_accuracy"][c] - (logits[sel].argmax(1) == c).mean()) < 1e-9
+
+
+def _numpy_client_counts(model, variables_of, images, labels, parts):
+    """Per-client (correct, count, loss sum) computed directly with NumPy."""
+    out = []
+    for j, p in enumerate(parts):
+        if len(p) == 0:
+            out.append((0.0, 0.0, 0.0))
+            continue
+        logits = np.asarray(model.apply(variables_of(j), images[p]), np.float64)
+        logp = logits - logits.max(1, keepdims=True)
+        logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
+        out.append(((logits.argmax(1) == labels[p]).sum(), len(p),
+                    -logp[np.arange(len(p)), labels[p]].sum()))
+    return np.asarray(out, np.float64).T
+
+
+def test_client_evaluator_global_and_personal_models_against_numpy():
+    from fedjax_pan.engine.evaluation import make_client_evaluator
+    ds = data.synthetic(10, 90, image_shape=(4, 4, 1), seed=3)
+    parts = [np.arange(0, 7), np.arange(7, 7), np.arange(7, 40), np.arange(40, 90)]
+    model = models.build("mlp", 10, hidden=[8])
+    own = [models.init(model, jax.random.PRNGKey(s), (4, 4, 1)) for s in range(len(parts))]
+    stacked = jax.tree_util.tree_map(lambda *xs: np.stack(xs), *own)
+    evaluate = make_client_evaluator(model, ds.test_images, ds.test_labels, parts,
+                                     batch_size=16)
+    # One global model: every client sees it on its own part.
+    want = _numpy_client_counts(model, lambda j: own[0], ds.test_images, ds.test_labels,
+                                parts)
+    got = evaluate(own[0])
+    np.testing.assert_allclose(got["correct"], want[0])
+    np.testing.assert_array_equal(got["count"], [7, 0, 33, 50])
+    np.testing.assert_allclose(got["loss_sum"], want[2], rtol=1e-5)
+    # Each client's own model, looped and vmapped.
+    want = _numpy_client_counts(model, lambda j: own[j], ds.test_images, ds.test_labels,
+                                parts)
+    for vmapped in (False, True):
+        got = evaluate(stacked, personal=True, vmapped=vmapped)
+        np.testing.assert_allclose(got["correct"], want[0], err_msg=str(vmapped))
+        np.testing.assert_allclose(got["loss_sum"], want[2], rtol=1e-5)
+    assert not np.allclose(want[0], _numpy_client_counts(
+        model, lambda j: own[0], ds.test_images, ds.test_labels, parts)[0])
+
+
+def test_client_metrics_by_hand():
+    from fedjax_pan.engine.evaluation import client_metrics
+    # Accuracies 1/2, 3/4, (none), 0/10, 9/10, 5/5, 2/4, 1/1, 3/6, 7/8, 4/8, 1/2:
+    # 11 clients with examples; the worst ceil(1.1) = 2: 0.0 and 0.5.
+    correct = np.array([1, 3, 0, 0, 9, 5, 2, 1, 3, 7, 4, 1])
+    count = np.array([2, 4, 0, 10, 10, 5, 4, 1, 6, 8, 8, 2])
+    acc = np.array([.5, .75, 0, .9, 1, .5, 1, .5, .875, .5, .5])
+    m = client_metrics(correct, count)
+    assert m["pfl_accuracy"] == 36 / 60
+    assert abs(m["client_accuracy_mean"] - acc.mean()) < 1e-12
+    assert abs(m["client_accuracy_std"] - acc.std()) < 1e-12
+    assert m["client_accuracy_worst10"] == 0.25
+    import pytest
+    with pytest.raises(ValueError):
+        client_metrics(np.zeros(3), np.zeros(3))

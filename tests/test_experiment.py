@@ -60,6 +60,7 @@ def test_resume_refuses_a_different_config(tmp_path):
     (dict(partition__scheme="shards"), "shards"), (dict(local__batch_size=0), "batch_size"),
     (dict(pan__kind="pow"), "pow"), (dict(model__norm="layer"), "layer"),
     (dict(dataset__augment="mixup"), "mixup"),
+    (dict(partition__test_fraction=1.0), "test_fraction"),
     (dict(dataset__normalization="authors"), "normalization='authors' has constants for "
                                              "cifar10, cifar100, not 'synthetic'"),
 ])
@@ -302,7 +303,7 @@ def test_a_refused_workdir_costs_no_data_loading(tmp_path, monkeypatch):
 
 # FedDyn's and MOON's per-client states are stored as Scaffold's is (params-shaped trees
 # per client, stacked over all K), through the same checkpoint code.
-@pytest.mark.parametrize("algorithm", ["scaffold"])
+@pytest.mark.parametrize("algorithm", ["scaffold", "fedper"])
 def test_stateful_algorithms_resume_exactly(tmp_path, algorithm):
     """Per-client state (control variates, previous models, gradients) goes through the
     checkpoint: 2 rounds + resume to 4 equals 4 rounds in one go."""
@@ -332,3 +333,46 @@ def test_augmentation_and_normalisation_settings_reach_the_engine():
     states = [e.simulation.round(e.simulation.init(e.variables))[0] for e in (exp, plain)]
     a, b = (s.server.params["fc1"]["kernel"] for s in states)
     assert float(abs(a - b).max()) > 1e-6  # far above float noise (round 1 warms up: lr/10)
+
+
+def test_clients_are_scored_on_their_own_test_parts(tmp_path):
+    """partition.test_fraction: disjoint local train/test parts; the logged per-client
+    figures against a NumPy evaluation of the global model on each part; a personalised
+    model (here the global one, handed out through personal_variables) scores the same."""
+    cfg = config(rounds=2, partition__test_fraction=0.25, partition__scheme="pathological",
+                 partition__classes_per_client=2, algorithm="scaffold")
+    exp = experiment.build(cfg)
+    train_parts, test_parts = exp.client_indices, exp.test_indices
+    full = experiment.build(config(rounds=2, partition__scheme="pathological",
+                                   partition__classes_per_client=2, algorithm="scaffold"))
+    for tr, te, whole in zip(train_parts, test_parts, full.client_indices):
+        assert len(np.intersect1d(tr, te)) == 0
+        np.testing.assert_array_equal(np.sort(np.concatenate([tr, te])), whole)
+        assert len(te) == int(np.ceil(0.25 * len(whole) - 1e-9))
+    np.testing.assert_array_equal(exp.simulation.data.sizes, [len(p) for p in train_parts])
+
+    state, _ = experiment.train_rounds(exp, exp.simulation.init(exp.variables), 2,
+                                       progress=False)
+    net, variables = exp.simulation.evaluation(state.server)
+    got = experiment.evaluate_clients(exp, state, net, variables)
+    x, _ = experiment._normalized(cfg, exp.dataset, None)
+    y = exp.dataset.train_labels
+    acc = []
+    for te in test_parts:
+        logits = np.asarray(exp.model.apply(variables, x[te], train=False))
+        acc.append((logits.argmax(1) == y[te]).sum() / len(te))
+    sizes = np.array([len(te) for te in test_parts])
+    assert abs(got["pfl_accuracy"] - np.sum(np.array(acc) * sizes) / sizes.sum()) < 1e-9
+    assert abs(got["client_accuracy_mean"] - np.mean(acc)) < 1e-9
+    assert abs(got["client_accuracy_std"] - np.std(acc)) < 1e-9
+    algorithm = exp.simulation.algorithm
+    exp.simulation.algorithm = algorithm._replace(
+        personal_variables=lambda server, client_state: algorithm.eval_variables(server))
+    for strategy in ("loop", "vmap"):
+        exp.strategy = strategy
+        assert experiment.evaluate_clients(exp, state, net, variables) == pytest.approx(got)
+
+    experiment.train(cfg, str(tmp_path), progress=False)
+    row = metrics(tmp_path)[-1]
+    assert 0 <= row["client_accuracy_worst10"] <= row["client_accuracy_mean"] <= 1
+    assert set(row) >= {"pfl_accuracy", "client_accuracy_std", "test_accuracy"}

@@ -316,3 +316,23 @@ def test_plot_label_distribution_writes_png(tmp_path):
     ax = fig.axes[0]
     assert ax.get_xlabel() and ax.get_ylabel()
     assert len(fig.axes) == 2  # heat map + colorbar
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.2, 0.25])
+def test_split_clients(fraction):
+    from fedjax_pan.data.partition import split_clients
+    parts = partition(LABELS, 7, "dirichlet_by_class", 3, alpha=0.3) + [np.array([5]),
+                                                                        np.array([8, 9])]
+    train, test = split_clients(parts, fraction, seed=1)
+    for p, tr, te in zip(parts, train, test):
+        np.testing.assert_array_equal(np.sort(np.concatenate([tr, te])), np.sort(p))
+        assert len(tr) >= 1 and np.all(np.diff(tr) > 0) and np.all(np.diff(te) >= 0)
+        # sklearn's rounding: ceil(f * n) test examples, but one stays for training.
+        assert len(te) == min(int(np.ceil(fraction * len(p) - 1e-9)), len(p) - 1)
+    again = split_clients(parts, fraction, seed=1)
+    assert all(np.array_equal(a, b) for a, b in zip(test, again[1]))
+    if fraction:
+        other = split_clients(parts, fraction, seed=2)[1]
+        assert not all(np.array_equal(a, b) for a, b in zip(test, other))
+    with pytest.raises(ValueError, match="test_fraction"):
+        split_clients(parts, 1.0, seed=1)

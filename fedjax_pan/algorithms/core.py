@@ -9,6 +9,9 @@ Every function takes its state first, then its inputs, and returns the new state
     client_output(local_state, server_state)      -> (output, client_state)
     server_update(server_state, aggregate, info)  -> server_state
     eval_variables(server_state)                  -> model variables to evaluate
+    personal_variables(server_state, client_state) -> the variables a client evaluates on
+                                                     its own test data (optional; None:
+                                                     the global model)
     aggregator                                    how outputs become `aggregate`
     upload_bytes(output, local_state)             -> bytes sent (optional)
 
@@ -122,6 +125,9 @@ class FederatedAlgorithm(NamedTuple):
     # upload_bytes(output, local_state) -> bytes this client sends (None: its whole output;
     # e.g. Psi-Net's trimmed groups are not sent).
     upload_bytes: Optional[Callable[[PyTree, PyTree], Any]] = None
+    # personal_variables(server_state, client_state) -> the model a client evaluates on its
+    # own test part (None: the global model, `eval_variables`).
+    personal_variables: Optional[Callable[[PyTree, PyTree], PyTree]] = None
 
 
 def tree_bytes(tree: PyTree) -> int:

@@ -21,6 +21,7 @@ from fedjax_pan.algorithms.fedma import ENTRY as FEDMA
 from fedjax_pan.algorithms.fedprox import ENTRY as FEDPROX
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.moon import ENTRY as MOON
+from fedjax_pan.algorithms.personal import ENTRIES as PERSONAL
 from fedjax_pan.algorithms.scaffold import ENTRY as SCAFFOLD
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
@@ -53,6 +54,7 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "feddyn": FEDDYN,
     "fed2": FED2,
     "fedma": FEDMA,
+    **PERSONAL,  # local, fedper, lg_fedavg, fedbn
 }
 
 

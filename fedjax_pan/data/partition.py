@@ -353,6 +353,32 @@ def partition(labels: Sequence[int] | np.ndarray, num_clients: int, scheme: str,
 # Inspection
 # ----------------------------------------------------------------------------
 
+# Local test shares of each client's data in the personalised-FL conventions.
+TEST_FRACTIONS = {"pfllib": 0.25, "pan_authors": 0.2}
+
+
+def split_clients(parts: Sequence[np.ndarray], test_fraction: float, seed: int
+                  ) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Each client's indices split into its own (train, test) parts, both sorted.
+
+    A client of n examples keeps ceil(test_fraction * n) of them, drawn uniformly at random,
+    as its local test set (sklearn's `train_test_split` rounding, which PFLlib uses), but
+    never its last training example; test_fraction 0 gives empty test parts. Randomness:
+    `np.random.default_rng(seed)` (one stream, clients in order).
+    """
+    if not 0.0 <= test_fraction < 1.0:
+        raise ValueError(f"test_fraction must lie in [0, 1), got {test_fraction}")
+    rng = np.random.default_rng(seed)
+    train, test = [], []
+    for part in parts:
+        part = np.asarray(part, np.int64)
+        n_test = min(math.ceil(test_fraction * len(part) - 1e-9), len(part) - 1)
+        chosen = rng.permutation(len(part))
+        test.append(np.sort(part[chosen[:n_test]]))
+        train.append(np.sort(part[chosen[n_test:]]))
+    return train, test
+
+
 def client_label_counts(labels: Sequence[int] | np.ndarray, parts: Sequence[np.ndarray],
                         num_classes: int | None = None) -> np.ndarray:
     """Per-client label counts, an int64 array of shape (num_clients, num_classes)."""

@@ -43,7 +43,7 @@ DEFAULT_CACHE = os.path.join("~", ".cache", "fedjax_pan", "xla")
 def use_compilation_cache(path: Optional[str] = DEFAULT_CACHE) -> Optional[str]:
     """Points JAX's persistent compilation cache at `path` (the command lines call this), so
     a second run of a job, or a resumed one, loads its programs instead of compiling them
-    (the FedJAX workload's first round: 2.2 s of compilation cold, 0.2 s warm; see
+    (the FedJAX workload's first round: 2.1 s of compilation cold, 0.15 s warm; see
     benchmarks/RESULTS.md). A cache directory already set in the environment wins; None or
     '' leaves the cache off. Returns the directory in use, if any."""
     if os.environ.get(CACHE_ENV):

@@ -107,6 +107,14 @@ class Simulation:
         """(network to evaluate, or None for the experiment's model; its variables)."""
         return None, self.algorithm.eval_variables(server)
 
+    def personal_evaluation(self, state: SimState) -> Optional[PyTree]:
+        """Every client's own model, stacked on a leading client axis (K, ...), or None
+        when the algorithm evaluates its global model on each client's data."""
+        personal = getattr(self.algorithm, "personal_variables", None)
+        if personal is None or state.client_states is None:
+            return None
+        return jax.vmap(personal, in_axes=(None, 0))(state.server, state.client_states)
+
     def cohort(self, state: SimState, round_index: int) -> Cohort:
         ids = self.sample(round_index)
         if self.aggregation == "uniform":

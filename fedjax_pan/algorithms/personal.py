@@ -1,0 +1,140 @@
+"""Personalised FL by partial sharing: some parameters stay with each client.
+
+One construction covers four algorithms of paper 001 (PFLlib); they differ only in which
+parameters are personal (kept in the client's state, never sent) and which are shared
+(trained from the global model and averaged as in FedAvg):
+
+  local      every parameter personal: no communication at all (each client alone);
+  fedper     the head personal, the body shared (Arivazhagan et al. 2019);
+  lg_fedavg  the body personal, the head shared (Liang et al. 2020, LG-FedAvg);
+  fedbn      the normalisation layers' parameters and statistics personal (Li et al. 2021).
+
+A client starts each round from the global shared parameters and its own personal ones
+(the global model's initial values on its first round), takes its local steps on all of
+them, sends the change of the shared ones and keeps the personal ones. Evaluation on a
+client's own test data uses this combined model (`personal_variables`); the global model
+(`eval_variables`) is the shared parameters with the initial personal ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Tuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+from flax import traverse_util
+
+from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.fedavg import ServerState
+
+PyTree = Any
+Path = Tuple[str, ...]
+HEAD = "head"  # the output layer's name in every model of `fedjax_pan.models`
+NORM_SUFFIX = "_norm"  # normalisation layers are named <layer>_norm
+
+
+def _is_norm(path: Path) -> bool:
+    return path[0].endswith(NORM_SUFFIX)
+
+
+# Which parameters (by their path in the params tree) stay with the client.
+PERSONAL: Dict[str, Callable[[Path], bool]] = {
+    "local": lambda path: True,
+    "fedper": lambda path: path[0] == HEAD,
+    "lg_fedavg": lambda path: path[0] != HEAD,
+    "fedbn": _is_norm,
+}
+
+
+def _split(params: PyTree, personal: Callable[[Path], bool]) -> Tuple[dict, dict]:
+    """(shared, personal) flat dicts 'layer/name' -> leaf (string keys: checkpointable)."""
+    flat = traverse_util.flatten_dict(params, sep="/")
+    return ({k: v for k, v in flat.items() if not personal(tuple(k.split("/")))},
+            {k: v for k, v in flat.items() if personal(tuple(k.split("/")))})
+
+
+def _join(shared: dict, own: dict) -> PyTree:
+    return traverse_util.unflatten_dict({**shared, **own}, sep="/")
+
+
+def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
+                    personal: Callable[[Path], bool],
+                    server_tx: optax.GradientTransformation = optax.sgd(1.0)
+                    ) -> FederatedAlgorithm:
+    """FedAvg over the parameters `personal(path)` rejects; the rest stay per client.
+
+    Non-trainable state (BatchNorm statistics) of a personal normalisation layer stays
+    with the client too; the rest of it is averaged as FedAvg does.
+    """
+
+    def server_init(variables):
+        params, model_state = local_lib.split_variables(variables)
+        return ServerState(params, model_state, server_tx.init(params),
+                           jnp.zeros((), jnp.int32))
+
+    def client_state_init(server):
+        own = _split(server.params, personal)[1]
+        stats = {c: _split(s, personal)[1] for c, s in server.model_state.items()}
+        state = {"params": own, "model_state": stats}
+        return state if jax.tree_util.tree_leaves(state) else None  # nothing personal
+
+    def combined(server, client_state) -> Tuple[PyTree, Dict[str, PyTree]]:
+        if client_state is None:
+            return server.params, server.model_state
+        params = _join(_split(server.params, personal)[0], client_state["params"])
+        model_state = {c: _join(_split(s, personal)[0], client_state["model_state"][c])
+                       for c, s in server.model_state.items()}
+        return params, model_state
+
+    def client_init(server, client_state, ctx):
+        del ctx
+        params, model_state = combined(server, client_state)
+        return local_lib.init_local(client_tx, {"params": params, **model_state}, 1.0)
+
+    def client_step(local, batch, server):
+        del server
+        return local_lib.sgd_step(model, client_tx, local, batch)
+
+    def client_output(local, server):
+        shared, own = _split(local.params, personal)
+        old = _split(server.params, personal)[0]
+        delta = {k: shared[k] - old[k] for k in shared}
+        stats = {c: _split(s, personal) for c, s in local.model_state.items()}
+        output = {"delta": delta, "model_state": {c: s[0] for c, s in stats.items()}}
+        state = {"params": own, "model_state": {c: s[1] for c, s in stats.items()}}
+        return output, state if jax.tree_util.tree_leaves(state) else None
+
+    def server_update(server, mean_output, info):
+        del info
+        shared, own = _split(server.params, personal)
+        grad = {k: -mean_output["delta"][k] for k in shared}
+        zeros = {k: jnp.zeros_like(v) for k, v in own.items()}
+        updates, opt_state = server_tx.update(_join(grad, zeros), server.opt_state,
+                                              server.params)
+        params = optax.apply_updates(server.params, updates)
+        model_state = {c: _join(mean_output["model_state"][c], _split(s, personal)[1])
+                       for c, s in server.model_state.items()}
+        return ServerState(params, model_state, opt_state, server.round + 1)
+
+    def eval_variables(server):
+        return {"params": server.params, **server.model_state}
+
+    def personal_variables(server, client_state):
+        params, model_state = combined(server, client_state)
+        return {"params": params, **model_state}
+
+    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
+                              client_output, server_update, eval_variables,
+                              personal_variables=personal_variables)
+
+
+def _entry(name: str) -> AlgorithmEntry:
+    return AlgorithmEntry(
+        lambda model, cfg, client_tx, server_tx: partial_sharing(
+            model, client_tx, PERSONAL[name], server_tx), {}, {})
+
+
+ENTRIES = {name: _entry(name) for name in PERSONAL}
