@@ -1,0 +1,85 @@
+"""Ditto: the global model is FedAvg's; the personal model spans Local (lambda = 0) to the
+received global model (lambda -> infinity)."""
+
+import jax
+import numpy as np
+import pytest
+from flax import traverse_util
+
+from conftest import max_rel_err, tiny_clients
+from fedjax_pan import models
+from fedjax_pan.algorithms import client_optimizer, fedavg
+from fedjax_pan.algorithms.ditto import ditto
+from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
+from fedjax_pan.engine import LocalWork, Simulation, make_executor
+
+SIZES = [27, 39, 19, 36, 62, 13]
+WORK = LocalWork(batch_size=8, epochs=1.5)
+LR = 0.05
+
+
+def _setup():
+    _, cd = tiny_clients(SIZES)
+    model = models.build("mlp", 10, hidden=[24, 16])
+    variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
+    return cd, model, variables, client_optimizer(LR, 0.9, 0.0, None)
+
+
+def _run(algo, cd, variables, strategy="vmap", rounds=2):
+    ex = make_executor(strategy, algo, WORK, cd, variables, 3)
+    sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation="num_examples",
+                     seed=7)
+    states = [sim.init(variables)]
+    for _ in range(rounds):
+        states.append(sim.round(states[-1])[0])
+    return sim, states
+
+
+def _flat(tree):
+    return traverse_util.flatten_dict(jax.device_get(tree), sep="/")
+
+
+@pytest.mark.parametrize("lam", [0.0, 1.0])
+def test_global_model_is_fedavgs(lam):
+    cd, model, variables, tx = _setup()
+    _, d = _run(ditto(model, tx, LR, lam=lam), cd, variables)
+    _, f = _run(fedavg(model, tx), cd, variables)
+    assert max_rel_err(d[-1].server.params, f[-1].server.params) == 0
+
+
+def test_lambda_zero_is_local_training():
+    cd, model, variables, tx = _setup()
+    _, d = _run(ditto(model, tx, LR, lam=0.0), cd, variables)
+    _, loc = _run(partial_sharing(model, tx, PERSONAL["local"]), cd, variables)
+    mine, theirs = _flat(d[-1].client_states["params"]), loc[-1].client_states["params"]
+    assert set(mine) == set(theirs)
+    for key in mine:
+        np.testing.assert_allclose(mine[key], theirs[key], rtol=1e-6, atol=1e-7)
+    assert max(np.max(np.abs(mine[k] - _flat(variables["params"])[k])) for k in mine) > 1e-3
+
+
+def test_lambda_to_infinity_is_the_received_global_model():
+    cd, model, variables, tx = _setup()
+    sim, d = _run(ditto(model, tx, LR, lam=1e9), cd, variables)
+    received = _flat(d[1].server.params)  # what round 1's clients received
+    mine = _flat(d[2].client_states["params"])
+    for k in sim.sample(1):
+        for key in received:
+            np.testing.assert_allclose(mine[key][k], received[key], rtol=1e-5, atol=1e-6)
+    # Mid-range lambda lands in between: neither the received model nor the local one.
+    _, mid = _run(ditto(model, tx, LR, lam=1.0), cd, variables)
+    k = sim.sample(1)[0]
+    gap = max(np.max(np.abs(_flat(mid[2].client_states["params"])[key][k] - received[key]))
+              for key in received)
+    assert gap > 1e-4
+
+
+def test_loop_and_vmap_agree_and_personal_models_are_evaluated():
+    cd, model, variables, tx = _setup()
+    algo = ditto(model, tx, LR, lam=0.5)
+    sim, a = _run(algo, cd, variables, "loop")
+    _, b = _run(algo, cd, variables, "vmap")
+    assert max_rel_err(a[-1].server, b[-1].server) < 1e-5
+    assert max_rel_err(a[-1].client_states, b[-1].client_states) < 1e-5
+    mine = sim.personal_evaluation(a[-1])
+    assert max_rel_err(mine, a[-1].client_states) == 0
