@@ -14,6 +14,7 @@ import optax
 
 from fedjax_pan.algorithms import core
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.apfl import ENTRY as APFL
 from fedjax_pan.algorithms.ditto import ENTRY as DITTO
 from fedjax_pan.algorithms.fed2 import ENTRY as FED2
 from fedjax_pan.algorithms.fedavg import fedavg
@@ -57,6 +58,7 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "fedma": FEDMA,
     **PERSONAL,  # local, fedper, lg_fedavg, fedbn
     "ditto": DITTO,
+    "apfl": APFL,
 }
 
 

@@ -1,0 +1,100 @@
+"""APFL (Deng et al. 2020, Adaptive Personalized FL, Alg. 1): each client mixes a personal
+model v with the global model w, m = alpha v + (1 - alpha) w, and learns alpha.
+
+A sampled client trains its copy of w by FedAvg's local steps (its delta is sent) and, on
+the same batches, its personal model and mixing weight on the mixed model's loss:
+
+    v     <- v - lr * alpha * g_m                    (g_m = grad of f_k at m)
+    alpha <- clip(alpha - lr_alpha * (<v - w, g_m> + 0.02 alpha), 0, 1)   (adaptive)
+
+(the 0.02 alpha term is the authors' released code's). alpha = 0, not adaptive, leaves
+the mixed model equal to the global one: FedAvg. The mixed model a client evaluates on its
+own data uses the current global model; normalisation statistics are the global model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.rules import Rule, between, boolean
+
+PyTree = Any
+OPTIONS = {"alpha": 0.5, "adaptive": True, "alpha_lr": 0.05}
+RULES = {"alpha": between(0, 1), "adaptive": Rule(boolean), "alpha_lr": between(0)}
+ALPHA_DECAY = 0.02  # the released code's regulariser on alpha
+
+
+class ApflLocal(NamedTuple):
+    shared: local_lib.LocalState  # the client's copy of the global model
+    personal: PyTree  # v
+    alpha: jax.Array
+
+
+def _mix(alpha, v, w):
+    return jax.tree_util.tree_map(lambda a, b: alpha * a + (1.0 - alpha) * b, v, w)
+
+
+def apfl(model: nn.Module, client_tx: optax.GradientTransformation, learning_rate: float,
+         server_tx: optax.GradientTransformation = optax.sgd(1.0), *, alpha: float = 0.5,
+         adaptive: bool = True, alpha_lr: float = 0.05) -> FederatedAlgorithm:
+    """APFL; `learning_rate` is the personal model's step size (plain SGD, as the paper)."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"APFL's alpha must lie in [0, 1], got {alpha}")
+    base = fedavg(model, client_tx, server_tx)
+
+    def client_state_init(server):
+        return {"params": server.params, "alpha": jnp.asarray(alpha, jnp.float32)}
+
+    def client_init(server, client_state, ctx):
+        return ApflLocal(base.client_init(server, None, ctx), client_state["params"],
+                         client_state["alpha"])
+
+    def client_step(local, batch, server):
+        w = local.shared.params
+        count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+
+        def mixed_loss(m):
+            logits, _ = local_lib.forward(model, m, local.shared.model_state, batch,
+                                          train=True)
+            return local_lib.masked_cross_entropy(logits, batch["y"], batch["mask"]) / count
+        g = jax.grad(mixed_loss)(_mix(local.alpha, local.personal, w))
+        personal = jax.tree_util.tree_map(lambda v, gm: v - learning_rate * local.alpha * gm,
+                                          local.personal, g)
+        new_alpha = local.alpha
+        if adaptive:
+            inner = sum(jnp.sum((v - b) * gm) for v, b, gm in zip(
+                jax.tree_util.tree_leaves(local.personal), jax.tree_util.tree_leaves(w),
+                jax.tree_util.tree_leaves(g)))
+            new_alpha = jnp.clip(local.alpha - alpha_lr * (inner + ALPHA_DECAY * local.alpha),
+                                 0.0, 1.0)
+        shared, metrics = base.client_step(local.shared, batch, server)
+        return ApflLocal(shared, personal, new_alpha), metrics
+
+    def client_output(local, server):
+        output, _ = base.client_output(local.shared, server)
+        return output, {"params": local.personal, "alpha": local.alpha}
+
+    def personal_variables(server, client_state):
+        return {"params": _mix(client_state["alpha"], client_state["params"], server.params),
+                **server.model_state}
+
+    return base._replace(client_state_init=client_state_init, client_init=client_init,
+                         client_step=client_step, client_output=client_output,
+                         personal_variables=personal_variables)
+
+
+def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
+    return apfl(model, client_tx, cfg.optimizer.lr, server_tx, alpha=cfg.apfl.alpha,
+                adaptive=cfg.apfl.adaptive, alpha_lr=cfg.apfl.alpha_lr)
+
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)

@@ -1,0 +1,82 @@
+"""APFL: alpha = 0 (fixed) is FedAvg; the alpha update against a hand-computed gradient."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from conftest import max_rel_err, tiny_clients
+from fedjax_pan import models
+from fedjax_pan.algorithms import client_optimizer, fedavg
+from fedjax_pan.algorithms.apfl import ALPHA_DECAY, apfl
+from fedjax_pan.engine import LocalWork, Simulation, make_executor
+
+SIZES = [27, 39, 19, 36, 62, 13]
+WORK = LocalWork(batch_size=8, epochs=1.5)
+LR = 0.05
+
+
+def _setup():
+    ds, cd = tiny_clients(SIZES)
+    model = models.build("mlp", 10, hidden=[24, 16])
+    variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
+    return ds, cd, model, variables, client_optimizer(LR, 0.9, 0.0, None)
+
+
+def _run(algo, cd, variables, strategy="vmap", rounds=2):
+    ex = make_executor(strategy, algo, WORK, cd, variables, 3)
+    sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation="num_examples",
+                     seed=7)
+    state = sim.init(variables)
+    for _ in range(rounds):
+        state = sim.round(state)[0]
+    return sim, state
+
+
+def test_fixed_alpha_zero_is_fedavg():
+    _, cd, model, variables, tx = _setup()
+    sim, a = _run(apfl(model, tx, LR, alpha=0.0, adaptive=False), cd, variables)
+    _, f = _run(fedavg(model, tx), cd, variables)
+    assert max_rel_err(a.server.params, f.server.params) == 0
+    mixed = sim.personal_evaluation(a)
+    for k in range(len(SIZES)):  # every client evaluates FedAvg's global model
+        own = jax.tree_util.tree_map(lambda x: x[k], mixed)
+        assert max_rel_err(own["params"], f.server.params) == 0
+
+
+def test_alpha_update_matches_a_hand_computed_gradient():
+    """One step on one batch: alpha moves by -lr_alpha (<v - w, g_m> + 0.02 alpha)."""
+    _, cd, model, variables, tx = _setup()
+    algo = apfl(model, tx, LR, alpha=0.3, adaptive=True, alpha_lr=0.7)
+    server = algo.server_init(variables)
+    rng = np.random.default_rng(0)
+    v = jax.tree_util.tree_map(lambda p: p + 0.1 * rng.standard_normal(p.shape).astype(
+        np.float32), variables["params"])
+    local = algo.client_init(server, {"params": v, "alpha": jnp.float32(0.3)}, None)
+    batch = {"x": cd.images[:8], "y": cd.labels[:8], "mask": jnp.ones(8)}
+    new, _ = algo.client_step(local, batch, server)
+
+    w = variables["params"]
+    m = jax.tree_util.tree_map(lambda a, b: 0.3 * a + 0.7 * b, v, w)
+    def loss(p):  # noqa: E306
+        logits = model.apply({"params": p}, batch["x"])
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(logp[jnp.arange(8), batch["y"]])
+    g = jax.grad(loss)(m)
+    inner = sum(float(np.sum((np.asarray(a) - np.asarray(b)) * np.asarray(c)))
+                for a, b, c in zip(*(jax.tree_util.tree_leaves(t) for t in (v, w, g))))
+    want = np.clip(0.3 - 0.7 * (inner + ALPHA_DECAY * 0.3), 0, 1)
+    assert abs(float(new.alpha) - want) < 1e-5 and abs(want - 0.3) > 1e-4
+    # The personal model moved along alpha * g_m.
+    want_v = jax.tree_util.tree_map(lambda a, c: a - LR * 0.3 * c, v, g)
+    assert max_rel_err(new.personal, want_v) < 1e-5
+
+
+def test_loop_and_vmap_agree():
+    _, cd, model, variables, tx = _setup()
+    algo = apfl(model, tx, LR, alpha=0.5)
+    _, a = _run(algo, cd, variables, "loop")
+    _, b = _run(algo, cd, variables, "vmap")
+    assert max_rel_err(a.server, b.server) < 1e-5
+    assert max_rel_err(a.client_states, b.client_states) < 1e-5
+    alphas = np.asarray(a.client_states["alpha"])
+    assert np.all((0 <= alphas) & (alphas <= 1)) and np.any(alphas != 0.5)  # it learned
