@@ -530,3 +530,30 @@ def test_fl_through_a_workdir_equals_the_in_memory_run(tmp_path):
         assert info2["test_accuracy"] == info["test_accuracy"]
         np.testing.assert_allclose(info2["train_loss"], info["train_loss"], rtol=1e-6)
     assert len(os.listdir(os.path.join(run_dir, "checkpoints"))) >= 1
+
+
+def test_personalized_table_from_its_runs(tmp_path):
+    """Every run of the long presets is a valid config; the smoke table's figures are the
+    mean of each run's last 3 evaluations, and costs are relative to FedAvg's."""
+    from experiments import personalized
+    from fedjax_pan import experiment
+    for preset in ("cpu", "paper"):
+        s = personalized.PRESETS[preset]
+        for skew in s.skews:
+            for k in s.clients:
+                for a in s.algorithms:
+                    experiment.validate(personalized.run_config(s, skew, k, a, 0))
+    out = str(tmp_path / "p")
+    assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    table = common.read_csv(os.path.join(out, "personalized.csv"))
+    assert [r["algorithm"] for r in table] == ["fedavg", "fedper"]
+    for row in table:
+        curve = common.read_curve(os.path.join(out, "runs",
+                                               f"pat_K6_{row['algorithm']}_s0"))
+        assert len(curve) == 2
+        for m in personalized.METRICS:
+            assert float(row[m]) == pytest.approx(np.mean([r[m] for r in curve[-3:]]))
+        assert 0 <= float(row["client_accuracy_worst10"]) <= float(
+            row["client_accuracy_mean"]) <= 1
+    assert float(table[0]["cost_vs_fedavg"]) == 1.0
+    assert os.path.getsize(os.path.join(out, "personalized.png")) > 10_000
