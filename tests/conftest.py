@@ -81,3 +81,32 @@ def max_rel_err(a, b, floor=1e-2):
 
 __all__ = ["ROOT", "needs_fmnist", "tiny_clients", "tiny_fedavg", "max_rel_err",
            "random_variables", "LocalWork", "sys"]
+
+
+# Personalised-FL tests: six unequal clients, a small MLP, 1.5 epochs of B = 8.
+PFL_SIZES = [27, 39, 19, 36, 62, 13]
+PFL_WORK = LocalWork(batch_size=8, epochs=1.5)
+PFL_LR = 0.05
+
+
+def pfl_setup(norm="none"):
+    """(client data, model, variables, momentum-SGD client optimiser) for the pFL tests."""
+    _, cd = tiny_clients(PFL_SIZES)
+    model = models.build("mlp", 10, hidden=[24, 16], norm=norm)
+    variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
+    return cd, model, variables, client_optimizer(PFL_LR, 0.9, 0.0, None)
+
+
+def pfl_rounds(algo, cd, variables, strategy="vmap", rounds=2):
+    """(simulation, [state after 0, 1, ..., rounds rounds], [each round's statistics]):
+    half the clients a round."""
+    from fedjax_pan.engine import Simulation, make_executor
+    ex = make_executor(strategy, algo, PFL_WORK, cd, variables, 3)
+    sim = Simulation(algo, cd, PFL_WORK, ex, participation=0.5, aggregation="num_examples",
+                     seed=7)
+    states, stats = [sim.init(variables)], []
+    for _ in range(rounds):
+        state, s = sim.round(states[-1])
+        states.append(state)
+        stats.append(s)
+    return sim, states, stats

@@ -4,36 +4,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conftest import max_rel_err, tiny_clients
-from fedjax_pan import models
-from fedjax_pan.algorithms import client_optimizer, fedavg
+from conftest import PFL_LR as LR
+from conftest import PFL_SIZES as SIZES
+from conftest import max_rel_err, pfl_rounds, pfl_setup
+from fedjax_pan.algorithms import fedavg
 from fedjax_pan.algorithms.apfl import ALPHA_DECAY, apfl
-from fedjax_pan.engine import LocalWork, Simulation, make_executor
-
-SIZES = [27, 39, 19, 36, 62, 13]
-WORK = LocalWork(batch_size=8, epochs=1.5)
-LR = 0.05
-
-
-def _setup():
-    ds, cd = tiny_clients(SIZES)
-    model = models.build("mlp", 10, hidden=[24, 16])
-    variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
-    return ds, cd, model, variables, client_optimizer(LR, 0.9, 0.0, None)
 
 
 def _run(algo, cd, variables, strategy="vmap", rounds=2):
-    ex = make_executor(strategy, algo, WORK, cd, variables, 3)
-    sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation="num_examples",
-                     seed=7)
-    state = sim.init(variables)
-    for _ in range(rounds):
-        state = sim.round(state)[0]
-    return sim, state
+    sim, states, _ = pfl_rounds(algo, cd, variables, strategy, rounds)
+    return sim, states[-1]
 
 
 def test_fixed_alpha_zero_is_fedavg():
-    _, cd, model, variables, tx = _setup()
+    cd, model, variables, tx = pfl_setup()
     sim, a = _run(apfl(model, tx, LR, alpha=0.0, adaptive=False), cd, variables)
     _, f = _run(fedavg(model, tx), cd, variables)
     assert max_rel_err(a.server.params, f.server.params) == 0
@@ -45,7 +29,7 @@ def test_fixed_alpha_zero_is_fedavg():
 
 def test_alpha_update_matches_a_hand_computed_gradient():
     """One step on one batch: alpha moves by -lr_alpha (<v - w, g_m> + 0.02 alpha)."""
-    _, cd, model, variables, tx = _setup()
+    cd, model, variables, tx = pfl_setup()
     algo = apfl(model, tx, LR, alpha=0.3, adaptive=True, alpha_lr=0.7)
     server = algo.server_init(variables)
     rng = np.random.default_rng(0)
@@ -72,7 +56,7 @@ def test_alpha_update_matches_a_hand_computed_gradient():
 
 
 def test_loop_and_vmap_agree():
-    _, cd, model, variables, tx = _setup()
+    cd, model, variables, tx = pfl_setup()
     algo = apfl(model, tx, LR, alpha=0.5)
     _, a = _run(algo, cd, variables, "loop")
     _, b = _run(algo, cd, variables, "vmap")

@@ -6,33 +6,16 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from conftest import max_rel_err, tiny_clients
-from fedjax_pan import models
-from fedjax_pan.algorithms import client_optimizer, fedavg
+from conftest import PFL_LR as LR
+from conftest import max_rel_err, pfl_setup as _setup
+from conftest import pfl_rounds
+from fedjax_pan.algorithms import fedavg
 from fedjax_pan.algorithms.ditto import ditto
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
-from fedjax_pan.engine import LocalWork, Simulation, make_executor
-
-SIZES = [27, 39, 19, 36, 62, 13]
-WORK = LocalWork(batch_size=8, epochs=1.5)
-LR = 0.05
-
-
-def _setup():
-    _, cd = tiny_clients(SIZES)
-    model = models.build("mlp", 10, hidden=[24, 16])
-    variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
-    return cd, model, variables, client_optimizer(LR, 0.9, 0.0, None)
 
 
 def _run(algo, cd, variables, strategy="vmap", rounds=2):
-    ex = make_executor(strategy, algo, WORK, cd, variables, 3)
-    sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation="num_examples",
-                     seed=7)
-    states = [sim.init(variables)]
-    for _ in range(rounds):
-        states.append(sim.round(states[-1])[0])
-    return sim, states
+    return pfl_rounds(algo, cd, variables, strategy, rounds)[:2]
 
 
 def _flat(tree):

@@ -6,32 +6,15 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from conftest import max_rel_err, tiny_clients
-from fedjax_pan import models
-from fedjax_pan.algorithms import client_optimizer, fedavg
+from conftest import PFL_SIZES as SIZES
+from conftest import max_rel_err, pfl_rounds, pfl_setup as _setup
+from fedjax_pan.algorithms import fedavg
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
-from fedjax_pan.engine import LocalWork, Simulation, make_executor
-
-SIZES = [27, 39, 19, 36, 62, 13]
-WORK = LocalWork(batch_size=8, epochs=1.5)
-
-
-def _setup(norm="none"):
-    _, cd = tiny_clients(SIZES)
-    model = models.build("mlp", 10, hidden=[24, 16], norm=norm)
-    variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
-    return cd, model, variables, client_optimizer(0.05, 0.9, 0.0, None)
 
 
 def _rounds(algo, cd, variables, strategy="vmap", rounds=2):
-    ex = make_executor(strategy, algo, WORK, cd, variables, 3)
-    sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation="num_examples",
-                     seed=7)
-    state, stats = sim.init(variables), []
-    for _ in range(rounds):
-        state, s = sim.round(state)
-        stats.append(s)
-    return sim, state, stats
+    sim, states, stats = pfl_rounds(algo, cd, variables, strategy, rounds)
+    return sim, states[-1], stats
 
 
 def _flat(tree):
