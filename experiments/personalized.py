@@ -7,7 +7,8 @@ sizes, K = 20 (PFLlib's default, all clients every round) and K = 100 (10% per r
 Algorithms: FedAvg (its global model on each client's data) and the personalised ones the
 library has, each evaluating its own per-client model: Local, FedPer, LG-FedAvg, Ditto,
 APFL (FedBN needs normalisation layers, which this MLP has none of: it would be FedAvg).
-Every run goes through the library's training loop into `runs/<setting>_<algorithm>_s<seed>/`.
+SGD lr 0.05 momentum 0.9 at a constant learning rate (PFLlib has no warm-up). Every run goes
+through the library's training loop into `runs/<setting>_<algorithm>_s<seed>/`.
 
 Reported per run (the mean of its last 3 evaluations): the PFLlib aggregate accuracy (sum
 correct / sum examples over clients), the unweighted mean and std over clients, the
@@ -85,6 +86,7 @@ def run_config(s: Settings, skew: str, k: int, algorithm: str, seed: int):
     cfg.participation = FEDERATIONS.get(k, 1.0)
     cfg.partition.test_fraction = s.test_fraction
     cfg.pan.amplitude = 0.0
+    cfg.optimizer.warmup = "none"  # PFLlib trains at a constant learning rate
     if s.hidden:
         cfg.model.options.hidden = list(s.hidden)
     cfg.checkpoint_every = max(1, s.rounds // 4)

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import PFL_LR as LR
 from conftest import PFL_SIZES as SIZES
@@ -16,10 +17,12 @@ def _run(algo, cd, variables, strategy="vmap", rounds=2):
     return sim, states[-1]
 
 
-def test_fixed_alpha_zero_is_fedavg():
+@pytest.mark.parametrize("warmup", ["none", "rounds"])
+def test_fixed_alpha_zero_is_fedavg(warmup):
     cd, model, variables, tx = pfl_setup()
-    sim, a = _run(apfl(model, tx, LR, alpha=0.0, adaptive=False), cd, variables)
-    _, f = _run(fedavg(model, tx), cd, variables)
+    sim, a = _run(apfl(model, tx, LR, alpha=0.0, adaptive=False, warmup=warmup,
+                       warmup_length=3), cd, variables)
+    _, f = _run(fedavg(model, tx, warmup=warmup, warmup_length=3), cd, variables)
     assert max_rel_err(a.server.params, f.server.params) == 0
     mixed = sim.personal_evaluation(a)
     for k in range(len(SIZES)):  # every client evaluates FedAvg's global model

@@ -22,11 +22,11 @@ def _flat(tree):
     return traverse_util.flatten_dict(jax.device_get(tree), sep="/")
 
 
-@pytest.mark.parametrize("lam", [0.0, 1.0])
-def test_global_model_is_fedavgs(lam):
+@pytest.mark.parametrize("lam,warmup", [(0.0, "none"), (1.0, "none"), (1.0, "rounds")])
+def test_global_model_is_fedavgs(lam, warmup):
     cd, model, variables, tx = _setup()
-    _, d = _run(ditto(model, tx, LR, lam=lam), cd, variables)
-    _, f = _run(fedavg(model, tx), cd, variables)
+    _, d = _run(ditto(model, tx, LR, lam=lam, warmup=warmup, warmup_length=3), cd, variables)
+    _, f = _run(fedavg(model, tx, warmup=warmup, warmup_length=3), cd, variables)
     assert max_rel_err(d[-1].server.params, f[-1].server.params) == 0
 
 

@@ -21,10 +21,12 @@ def _flat(tree):
     return traverse_util.flatten_dict(jax.device_get(tree), sep="/")
 
 
-def test_nothing_personal_is_fedavg():
+@pytest.mark.parametrize("warmup", ["none", "rounds", "steps"])
+def test_nothing_personal_is_fedavg(warmup):
     cd, model, variables, tx = _setup()
-    _, shared, _ = _rounds(partial_sharing(model, tx, lambda path: False), cd, variables)
-    _, avg, _ = _rounds(fedavg(model, tx), cd, variables)
+    _, shared, _ = _rounds(partial_sharing(model, tx, lambda path: False, warmup=warmup,
+                                           warmup_length=3), cd, variables)
+    _, avg, _ = _rounds(fedavg(model, tx, warmup=warmup, warmup_length=3), cd, variables)
     assert max_rel_err(shared.server.params, avg.server.params) < 1e-6
     assert max_rel_err(avg.server.params, variables["params"]) > 1e-2  # it trained
 

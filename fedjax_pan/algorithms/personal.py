@@ -62,9 +62,10 @@ def _join(shared: dict, own: dict) -> PyTree:
 
 def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
                     personal: Callable[[Path], bool],
-                    server_tx: optax.GradientTransformation = optax.sgd(1.0)
-                    ) -> FederatedAlgorithm:
-    """FedAvg over the parameters `personal(path)` rejects; the rest stay per client.
+                    server_tx: optax.GradientTransformation = optax.sgd(1.0), *,
+                    warmup: str = "none", warmup_length: int = 0) -> FederatedAlgorithm:
+    """FedAvg over the parameters `personal(path)` rejects; the rest stay per client;
+    the learning rate warms up as FedAvg's `warmup` does.
 
     Non-trainable state (BatchNorm statistics) of a personal normalisation layer stays
     with the client too; the rest of it is averaged as FedAvg does.
@@ -92,11 +93,12 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
     def client_init(server, client_state, ctx):
         del ctx
         params, model_state = combined(server, client_state)
-        return local_lib.init_local(client_tx, {"params": params, **model_state}, 1.0)
+        lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
+        return local_lib.init_local(client_tx, {"params": params, **model_state}, lr_scale)
 
     def client_step(local, batch, server):
         del server
-        return local_lib.sgd_step(model, client_tx, local, batch)
+        return local_lib.sgd_step(model, client_tx, local, batch, warmup, warmup_length)
 
     def client_output(local, server):
         shared, own = _split(local.params, personal)
@@ -134,7 +136,8 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
 def _entry(name: str) -> AlgorithmEntry:
     return AlgorithmEntry(
         lambda model, cfg, client_tx, server_tx: partial_sharing(
-            model, client_tx, PERSONAL[name], server_tx), {}, {})
+            model, client_tx, PERSONAL[name], server_tx, warmup=cfg.optimizer.warmup,
+            warmup_length=cfg.optimizer.warmup_length), {}, {})
 
 
 ENTRIES = {name: _entry(name) for name in PERSONAL}
