@@ -102,33 +102,38 @@ def make_client_evaluator(model: nn.Module, images: np.ndarray, labels: np.ndarr
     uo = jnp.asarray(np.concatenate([owner, np.zeros(pad, np.int64)]).astype(np.int32))
     um = jnp.asarray((np.arange(nb * b) < len(rows)).astype(np.float32))
 
+    # The sets are arguments, not closed-over constants baked into the programs.
     @functools.partial(jax.jit, static_argnums=0)
-    def union_batch(net, variables, acc, i):
+    def union_batch(net, variables, acc, i, ux, uy, uo, um):
         sl = lambda a: jax.lax.dynamic_slice_in_dim(a, i * b, b)  # noqa: E731
         correct, loss = sums(net, variables, sl(ux), sl(uy), sl(um))
         owners = sl(uo)
         return (acc[0] + jax.ops.segment_sum(correct, owners, k),
                 acc[1] + jax.ops.segment_sum(loss, owners, k))
 
-    # Each client's part padded to whole chunks of c rows (one compiled shape).
+    # Each client's part padded to whole chunks of c rows (one compiled shape); built on
+    # the first personal evaluation only (K x the largest part: global algorithms never
+    # need it).
     c = max(1, min(batch_size, int(counts.max())))
-    chunks = np.maximum(-(-counts // c), 1)
-    width = int(chunks.max()) * c
-    px = np.zeros((k, width, *images.shape[1:]), np.float32)
-    py = np.zeros((k, width), np.int32)
-    pm = np.zeros((k, width), np.float32)
-    for j, p in enumerate(parts):
-        px[j, :len(p)], py[j, :len(p)], pm[j, :len(p)] = images[p], labels[p], 1.0
-    px, py, pm = jnp.asarray(px), jnp.asarray(py), jnp.asarray(pm)
+    width = int(np.maximum(-(-counts // c), 1).max()) * c
+
+    @functools.cache
+    def padded():
+        px = np.zeros((k, width, *images.shape[1:]), np.float32)
+        py = np.zeros((k, width), np.int32)
+        pm = np.zeros((k, width), np.float32)
+        for j, p in enumerate(parts):
+            px[j, :len(p)], py[j, :len(p)], pm[j, :len(p)] = images[p], labels[p], 1.0
+        return jnp.asarray(px), jnp.asarray(py), jnp.asarray(pm)
 
     @functools.partial(jax.jit, static_argnums=0)
-    def client_chunk(net, variables, j, t):
+    def client_chunk(net, variables, j, t, px, py, pm):
         sl = lambda a: jax.lax.dynamic_slice_in_dim(a[j], t * c, c)  # noqa: E731
         correct, loss = sums(net, variables, sl(px), sl(py), sl(pm))
         return jnp.sum(correct), jnp.sum(loss)
 
     @functools.partial(jax.jit, static_argnums=0)
-    def all_clients(net, stacked):
+    def all_clients(net, stacked, px, py, pm):
         def one(variables, x, y, m):
             def chunk(acc, t):
                 sl = lambda a: jax.lax.dynamic_slice_in_dim(a, t * c, c)  # noqa: E731
@@ -144,16 +149,16 @@ def make_client_evaluator(model: nn.Module, images: np.ndarray, labels: np.ndarr
         if not personal:
             acc = (jnp.zeros(k, jnp.float32), jnp.zeros(k, jnp.float32))
             for i in range(nb):
-                acc = union_batch(net, variables, acc, jnp.int32(i))
+                acc = union_batch(net, variables, acc, jnp.int32(i), ux, uy, uo, um)
             correct, loss = acc
         elif vmapped:
-            correct, loss = all_clients(net, variables)
+            correct, loss = all_clients(net, variables, *padded())
         else:
             correct, loss = np.zeros(k), np.zeros(k)
             for j in range(k):
                 own = jax.tree_util.tree_map(lambda x: x[j], variables)
                 for t in range(-(-int(counts[j]) // c)):
-                    cj, lj = client_chunk(net, own, jnp.int32(j), jnp.int32(t))
+                    cj, lj = client_chunk(net, own, jnp.int32(j), jnp.int32(t), *padded())
                     correct[j] += float(cj)
                     loss[j] += float(lj)
         return {"correct": np.asarray(correct, np.float64),
