@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import time
+from types import MappingProxyType
 from typing import (Any, Callable, Dict, Iterable, List, Mapping, NoReturn, Optional, Sequence,
                     Tuple)
 
@@ -250,7 +251,7 @@ def seed_result(ctx: Context, seed: int, settings: Any,
     `seeds` field aside, so seeds run apart can be gathered in one folder) is read back,
     not computed again."""
     path = ctx.path(os.path.join("seeds", f"s{seed}.json"))
-    key = {k: v for k, v in jsonable(settings).items() if k != "seeds"}
+    key = {k: v for k, v in settings_key(settings).items() if k != "seeds"}
     if ctx.resume and os.path.isfile(path):
         with open(path) as f:
             saved = json.load(f)
@@ -279,6 +280,22 @@ def mean_curve(runs: Sequence[Sequence[Mapping[str, Any]]]) -> Tuple[List[int], 
 # ----------------------------------------------------------------------------------------
 # Files.
 # ----------------------------------------------------------------------------------------
+
+# Field metadata: the field enters `settings_key` only when it differs from its default.
+KEY_IF_SET = MappingProxyType({"key_if_set": True})
+
+
+def settings_key(obj: Any) -> Any:
+    """`jsonable(obj)`, less the dataclass fields marked KEY_IF_SET that hold their default."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: settings_key(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if not (f.metadata.get("key_if_set") and getattr(obj, f.name) == f.default)}
+    if isinstance(obj, Mapping):
+        return {str(k): settings_key(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [settings_key(v) for v in obj]
+    return jsonable(obj)
+
 
 def jsonable(obj: Any) -> Any:
     """numpy scalars/arrays, tuples and dataclasses as plain JSON values (NaN kept as null)."""
@@ -479,6 +496,11 @@ class FLSetup:
     dataset: str = "fashion_mnist"
     train_limit: Optional[int] = None  # a seeded subset of the training set (None: all)
     hidden: Optional[Tuple[int, ...]] = None  # MLP widths (None: the paper's 1024 x 3)
+    # Another model of `fedjax_pan.models` and its options (e.g. ("width", 0.25)); left out
+    # of cached results' keys at their defaults, so results cached before they existed stay.
+    model: str = dataclasses.field(default="mlp", metadata=KEY_IF_SET)
+    model_options: Tuple[Tuple[str, Any], ...] = dataclasses.field(default=(),
+                                                                   metadata=KEY_IF_SET)
     num_clients: int = 10
     participation: float = 1.0
     alpha: float = 1.0
@@ -498,9 +520,11 @@ def fl_config(setup: FLSetup, pan: Pan, seed: int):
     cfg.seed = seed
     cfg.dataset.name = setup.dataset
     cfg.dataset.train_limit = setup.train_limit
-    cfg.model.name = "mlp"
+    cfg.model.name = setup.model
     if setup.hidden:
         cfg.model.options.hidden = list(setup.hidden)
+    for key, value in setup.model_options:
+        cfg.model.options[key] = list(value) if isinstance(value, tuple) else value
     cfg.pan.kind = pan.kind
     cfg.pan.period = float(pan.period)
     cfg.pan.amplitude = float(pan.amplitude) if pan.on else 0.0

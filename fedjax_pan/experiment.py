@@ -225,6 +225,28 @@ def build(cfg: ml_collections.ConfigDict,
 # Workdir: resumability and metrics.
 # ----------------------------------------------------------------------------------------
 
+def config_changes(saved: Dict[str, Any], now: Dict[str, Any]) -> List[str]:
+    """Dotted keys whose values differ between a run's saved config and `now` (JSON
+    dicts). A key the saved config lacks counts only if `now` holds it at other than its
+    default: options added to the library since (a new algorithm's namespace, say) leave
+    older runs resumable."""
+    from fedjax_pan.defaults import default_config
+
+    def walk(saved, now, default, prefix):
+        out = []
+        for k in sorted(set(saved) | set(now)):
+            if k not in saved and k in default and now[k] == default[k]:
+                continue
+            if isinstance(saved.get(k), dict) and isinstance(now.get(k), dict):
+                sub = default.get(k)
+                out += walk(saved[k], now[k], sub if isinstance(sub, dict) else {},
+                            f"{prefix}{k}.")
+            elif saved.get(k) != now.get(k):
+                out.append(prefix + k)
+        return out
+    return walk(saved, now, json.loads(default_config().to_json()), "")
+
+
 def check_workdir(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool,
                   overwrite: bool) -> None:
     """Everything about `workdir` that can refuse the run, checked before any data loads."""
@@ -233,8 +255,8 @@ def check_workdir(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool,
         return
     saved = workdir_lib.read_config(workdir)
     now = json.loads(cfg.to_json())
-    changed = sorted(k for k in set(saved) | set(now)
-                     if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    changed = sorted(k for k in config_changes(saved, now)
+                     if k.split(".")[0] not in RESUMABLE_CHANGES)
     _check(not changed, f"cannot resume {workdir!r} with a different config "
            f"(changed: {', '.join(changed)}); only {', '.join(RESUMABLE_CHANGES)} may change")
     subdirs = [os.path.join(workdir, name) for name in (cfg.get("variants") or {})]

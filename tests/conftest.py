@@ -97,6 +97,23 @@ def pfl_setup(norm="none"):
     return cd, model, variables, client_optimizer(PFL_LR, 0.9, 0.0, None)
 
 
+def reference_rounds(sim, algo, cd, variables, batch_size, rounds=2):
+    """`rounds` rounds of the sequential `reference_round` on `sim`'s cohorts, its
+    per-client states scattered into all K by hand."""
+    from fedjax_pan.engine.reference import reference_round
+    state = sim.init(variables)
+    for r in range(rounds):
+        cohort = sim.cohort(state, r)
+        server, new, _ = reference_round(algo, cd, batch_size, state.server, cohort)
+        clients = jax.tree_util.tree_map(lambda a: np.array(a), state.client_states)
+        for m, k in enumerate(np.asarray(cohort.ids)):
+            for leaf_all, leaf_new in zip(jax.tree_util.tree_leaves(clients),
+                                          jax.tree_util.tree_leaves(new[m])):
+                leaf_all[k] = leaf_new
+        state = state._replace(server=server, client_states=clients, round=r + 1)
+    return state
+
+
 def pfl_rounds(algo, cd, variables, strategy="vmap", rounds=2):
     """(simulation, [state after 0, 1, ..., rounds rounds], [each round's statistics]):
     half the clients a round."""

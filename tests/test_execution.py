@@ -174,7 +174,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     import jax
     assert jax.device_count() == 4, jax.devices()
-    from conftest import max_rel_err, tiny_clients, tiny_fedavg
+    from conftest import max_rel_err, reference_rounds, tiny_clients, tiny_fedavg
     from test_execution import SIZES, _reference, _run
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg(norm="batch")
@@ -188,7 +188,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
     _, cd6 = tiny_clients(sc.SIZES)
     sc_variables, _, scaffold = sc._tiny_scaffold()
     sim, state = sc._run("sharded", scaffold, cd6, sc_variables)
-    ref = sc._reference(sim, scaffold, cd6, sc_variables)
+    ref = reference_rounds(sim, scaffold, cd6, sc_variables, sc.WORK.batch_size)
     err_s = max(max_rel_err(state.server, ref.server),
                 max_rel_err(state.client_states, ref.client_states))
     assert err_s < 1e-5, err_s

@@ -52,6 +52,29 @@ def test_resume_refuses_a_different_config(tmp_path):
                          progress=False)
 
 
+def test_options_added_since_a_run_leave_it_resumable(tmp_path):
+    """A run saved before an option existed (its config.json lacks it) resumes when the
+    option is at its default, and refuses naming the option otherwise."""
+    workdir = str(tmp_path / "w")
+    experiment.train(config(rounds=1), workdir, progress=False)
+    path = os.path.join(workdir, "config.json")
+    with open(path) as f:
+        saved = json.load(f)
+    del saved["pfedme"], saved["partition"]["test_fraction"]  # as an older version wrote
+    with open(path, "w") as f:
+        json.dump(saved, f)
+    assert experiment.config_changes(saved, json.loads(config(rounds=2).to_json())) == \
+        ["rounds"]
+    with pytest.raises(experiment.ConfigError, match=r"changed: pfedme\)"):
+        experiment.train(config(rounds=2, pfedme__lam=1.0), workdir, resume=True,
+                         progress=False)
+    with pytest.raises(experiment.ConfigError, match=r"changed: partition\.test_fraction\)"):
+        experiment.train(config(rounds=2, partition__test_fraction=0.25), workdir,
+                         resume=True, progress=False)
+    experiment.train(config(rounds=2), workdir, resume=True, progress=False)
+    assert len(metrics(workdir)) == 2
+
+
 @pytest.mark.parametrize("changes,match", [
     (dict(partition__alpha=0.0), "alpha"), (dict(partition__alpha=-1.0), "alpha"),
     (dict(participation=0.0), "participation"), (dict(participation=1.2), "participation"),
@@ -303,16 +326,23 @@ def test_a_refused_workdir_costs_no_data_loading(tmp_path, monkeypatch):
 
 # FedDyn's and MOON's per-client states are stored as Scaffold's is (params-shaped trees
 # per client, stacked over all K), through the same checkpoint code.
-@pytest.mark.parametrize("algorithm", ["scaffold", "fedper"])
+# One of each kind of client state: params-shaped (Scaffold), flat partial dicts (FedPer),
+# full variables (Ditto), params and a scalar (APFL), a head (FedRoD), none but a personal
+# model adapted on round-dependent batches (Per-FedAvg).
+@pytest.mark.parametrize("algorithm", ["scaffold", "fedper", "ditto", "apfl", "perfedavg",
+                                       "fedrod"])
 def test_stateful_algorithms_resume_exactly(tmp_path, algorithm):
-    """Per-client state (control variates, previous models, gradients) goes through the
-    checkpoint: 2 rounds + resume to 4 equals 4 rounds in one go."""
+    """Per-client state (control variates, previous models, gradients, personal models)
+    goes through the checkpoint: 2 rounds + resume to 3 equals 3 rounds in one go, the
+    clients' own-data metrics included."""
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    cfg = dict(algorithm=algorithm, rounds=4, checkpoint_every=2, local__epochs=2.0)
+    cfg = dict(algorithm=algorithm, rounds=3, checkpoint_every=2, local__epochs=2.0,
+               partition__test_fraction=0.25)
     experiment.train(config(**cfg), full, progress=False)
     experiment.train(config(**{**cfg, "rounds": 2}), part, progress=False)
     experiment.train(config(**cfg), part, resume=True, progress=False)
-    assert metrics(part) == metrics(full) and len(metrics(full)) == 4
+    assert metrics(part) == metrics(full) and len(metrics(full)) == 3
+    assert all("pfl_accuracy" in m for m in metrics(full))
 
 
 def test_augmentation_and_normalisation_settings_reach_the_engine():

@@ -31,18 +31,6 @@ def test_nothing_personal_is_fedavg(warmup):
     assert max_rel_err(avg.server.params, variables["params"]) > 1e-2  # it trained
 
 
-@pytest.mark.parametrize("name", sorted(PERSONAL))
-def test_loop_and_vmap_agree(name):
-    cd, model, variables, tx = _setup(norm="batch" if name == "fedbn" else "none")
-    algo = partial_sharing(model, tx, PERSONAL[name])
-    _, a, sa = _rounds(algo, cd, variables, "loop")
-    _, b, sb = _rounds(algo, cd, variables, "vmap")
-    assert max_rel_err(a.server, b.server) < 1e-5
-    assert max_rel_err(a.client_states, b.client_states) < 1e-5
-    np.testing.assert_allclose([s["train_loss"] for s in sa], [s["train_loss"] for s in sb],
-                               rtol=1e-5)
-
-
 def test_local_never_communicates():
     cd, model, variables, tx = _setup()
     sim, state, stats = _rounds(partial_sharing(model, tx, PERSONAL["local"]), cd, variables,

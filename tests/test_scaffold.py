@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 from ml_collections import ConfigDict
 
-from conftest import max_rel_err, tiny_clients, tiny_fedavg
+from conftest import max_rel_err, reference_rounds, tiny_clients, tiny_fedavg
 from fedjax_pan.algorithms import client_optimizer, fedavg
 from fedjax_pan.algorithms.scaffold import OPTIONS, RULES, from_config, scaffold
 from fedjax_pan.defaults import default_config
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
-from fedjax_pan.engine.reference import reference_round
 from quadratic import quadratic_clients, squared_loss
 
 SIZES = [16, 24, 16, 32, 24, 8]  # whole batches: one compiled step shape
@@ -102,27 +101,11 @@ def _run(strategy, algo, cd, variables, block_size=None, rounds=2):
     return sim, state
 
 
-def _reference(sim, algo, cd, variables, rounds=2):
-    """Rounds of `reference_round`, its per-client states scattered into all K by hand."""
-    state = sim.init(variables)
-    for r in range(rounds):
-        cohort = sim.cohort(state, r)
-        server, new, _ = reference_round(algo, cd, WORK.batch_size, state.server, cohort)
-        ids = np.asarray(cohort.ids)
-        clients = jax.tree_util.tree_map(lambda a: np.array(a), state.client_states)
-        for m, k in enumerate(ids):
-            for leaf_all, leaf_new in zip(jax.tree_util.tree_leaves(clients),
-                                          jax.tree_util.tree_leaves(new[m])):
-                leaf_all[k] = leaf_new
-        state = state._replace(server=server, client_states=clients, round=r + 1)
-    return state
-
-
 def check_strategies_against_reference(algo, variables, cd):
     """Server and all K client states after two rounds, per strategy, vs the reference."""
     runs = {f"{s}/{g}": _run(s, algo, cd, variables, g)
             for s, g in [("loop", None), ("vmap", 1), ("vmap", 3)]}  # vmap/3: a filler slot
-    ref = _reference(runs["loop/None"][0], algo, cd, variables)
+    ref = reference_rounds(runs["loop/None"][0], algo, cd, variables, WORK.batch_size)
     for name, (_, state) in runs.items():
         assert max_rel_err(state.server, ref.server) < 1e-5, name
         assert max_rel_err(state.client_states, ref.client_states) < 1e-5, name

@@ -12,6 +12,9 @@ Every function takes its state first, then its inputs, and returns the new state
     personal_variables(server_state, client_state) -> the variables a client evaluates on
                                                      its own test data (optional; None:
                                                      the global model)
+    personal_adapt(server_state, client_state, batch) -> the same, adapted on one batch of
+                                                     the client's training data first
+                                                     (optional; Per-FedAvg's one step)
     aggregator                                    how outputs become `aggregate`
     upload_bytes(output, local_state)             -> bytes sent (optional)
 
@@ -128,6 +131,9 @@ class FederatedAlgorithm(NamedTuple):
     # personal_variables(server_state, client_state) -> the model a client evaluates on its
     # own test part (None: the global model, `eval_variables`).
     personal_variables: Optional[Callable[[PyTree, PyTree], PyTree]] = None
+    # personal_adapt(server_state, client_state, batch) -> that model when the client first
+    # adapts it on one batch of its own training data (takes precedence; None: none).
+    personal_adapt: Optional[Callable[[PyTree, PyTree, PyTree], PyTree]] = None
 
 
 def tree_bytes(tree: PyTree) -> int:

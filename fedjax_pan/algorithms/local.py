@@ -94,12 +94,18 @@ def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalSta
              extra_loss: Optional[ExtraLoss] = None,
              grad_transform: Optional[Callable[[PyTree, LocalState], PyTree]] = None,
              loss: LossSum = masked_cross_entropy,
+             full_params: Optional[Callable[[PyTree], PyTree]] = None,
              ) -> Tuple[LocalState, Dict[str, jax.Array]]:
-    """One local step on the mean loss over the batch's real examples."""
+    """One local step on the mean loss over the batch's real examples.
+
+    `full_params(local.params)` -> the model's parameters, when `local` trains only part of
+    them (the rest held fixed inside `full_params`).
+    """
     count = jnp.sum(batch["mask"])
 
     def loss_fn(params):
-        logits, new_state = forward(model, params, local.model_state, batch, train=True)
+        model_params = params if full_params is None else full_params(params)
+        logits, new_state = forward(model, model_params, local.model_state, batch, train=True)
         loss_sum = loss(logits, batch["y"], batch["mask"])
         objective = loss_sum / jnp.maximum(count, 1.0)
         extra_metrics = {}
@@ -113,13 +119,24 @@ def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalSta
         grads = grad_transform(grads, local)
     updates, opt_state = tx.update(grads, local.opt_state, local.params)
     if warmup != "none":  # without warm-up the factor is 1: skip a pass over all parameters
-        scale = local.lr_scale
-        if warmup == "steps" and warmup_length > 0:
-            scale = scale * jnp.minimum((local.step + 1) / warmup_length, 1.0)
-        # After warm-up the factor is 1; cond skips the pass then (a select if vmapped).
-        updates = jax.lax.cond(
-            scale == 1.0, lambda u: u,
-            lambda u: jax.tree_util.tree_map(lambda x: x * scale.astype(x.dtype), u), updates)
+        updates = scale_updates(updates, step_scale(local.step, local.lr_scale, warmup,
+                                                    warmup_length))
     params = optax.apply_updates(local.params, updates)
     new_local = LocalState(params, new_state, opt_state, local.step + 1, local.lr_scale)
     return new_local, {"loss_sum": loss_sum, "num_examples": count, **extra_metrics}
+
+
+def step_scale(step: jax.Array, lr_scale: jax.Array, warmup: str, length: int) -> jax.Array:
+    """The learning-rate factor of local step `step` (0-based) in a round whose factor is
+    `lr_scale`: the round's, times min((step + 1) / length, 1) when warmup == 'steps'."""
+    if warmup == "steps" and length > 0:
+        return lr_scale * jnp.minimum((step + 1) / length, 1.0)
+    return lr_scale
+
+
+def scale_updates(updates: PyTree, scale: jax.Array) -> PyTree:
+    """updates x scale; after warm-up the factor is 1 and `cond` skips the pass over the
+    parameters (a select when vmapped)."""
+    return jax.lax.cond(
+        scale == 1.0, lambda u: u,
+        lambda u: jax.tree_util.tree_map(lambda x: x * scale.astype(x.dtype), u), updates)

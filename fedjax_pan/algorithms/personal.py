@@ -49,14 +49,14 @@ PERSONAL: Dict[str, Callable[[Path], bool]] = {
 }
 
 
-def _split(params: PyTree, personal: Callable[[Path], bool]) -> Tuple[dict, dict]:
+def split_params(params: PyTree, personal: Callable[[Path], bool]) -> Tuple[dict, dict]:
     """(shared, personal) flat dicts 'layer/name' -> leaf (string keys: checkpointable)."""
     flat = traverse_util.flatten_dict(params, sep="/")
     return ({k: v for k, v in flat.items() if not personal(tuple(k.split("/")))},
             {k: v for k, v in flat.items() if personal(tuple(k.split("/")))})
 
 
-def _join(shared: dict, own: dict) -> PyTree:
+def join_params(shared: dict, own: dict) -> PyTree:
     return traverse_util.unflatten_dict({**shared, **own}, sep="/")
 
 
@@ -77,16 +77,16 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
                            jnp.zeros((), jnp.int32))
 
     def client_state_init(server):
-        own = _split(server.params, personal)[1]
-        stats = {c: _split(s, personal)[1] for c, s in server.model_state.items()}
+        own = split_params(server.params, personal)[1]
+        stats = {c: split_params(s, personal)[1] for c, s in server.model_state.items()}
         state = {"params": own, "model_state": stats}
         return state if jax.tree_util.tree_leaves(state) else None  # nothing personal
 
     def combined(server, client_state) -> Tuple[PyTree, Dict[str, PyTree]]:
         if client_state is None:
             return server.params, server.model_state
-        params = _join(_split(server.params, personal)[0], client_state["params"])
-        model_state = {c: _join(_split(s, personal)[0], client_state["model_state"][c])
+        params = join_params(split_params(server.params, personal)[0], client_state["params"])
+        model_state = {c: join_params(split_params(s, personal)[0], client_state["model_state"][c])
                        for c, s in server.model_state.items()}
         return params, model_state
 
@@ -101,23 +101,23 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
         return local_lib.sgd_step(model, client_tx, local, batch, warmup, warmup_length)
 
     def client_output(local, server):
-        shared, own = _split(local.params, personal)
-        old = _split(server.params, personal)[0]
+        shared, own = split_params(local.params, personal)
+        old = split_params(server.params, personal)[0]
         delta = {k: shared[k] - old[k] for k in shared}
-        stats = {c: _split(s, personal) for c, s in local.model_state.items()}
+        stats = {c: split_params(s, personal) for c, s in local.model_state.items()}
         output = {"delta": delta, "model_state": {c: s[0] for c, s in stats.items()}}
         state = {"params": own, "model_state": {c: s[1] for c, s in stats.items()}}
         return output, state if jax.tree_util.tree_leaves(state) else None
 
     def server_update(server, mean_output, info):
         del info
-        shared, own = _split(server.params, personal)
+        shared, own = split_params(server.params, personal)
         grad = {k: -mean_output["delta"][k] for k in shared}
         zeros = {k: jnp.zeros_like(v) for k, v in own.items()}
-        updates, opt_state = server_tx.update(_join(grad, zeros), server.opt_state,
+        updates, opt_state = server_tx.update(join_params(grad, zeros), server.opt_state,
                                               server.params)
         params = optax.apply_updates(server.params, updates)
-        model_state = {c: _join(mean_output["model_state"][c], _split(s, personal)[1])
+        model_state = {c: join_params(mean_output["model_state"][c], split_params(s, personal)[1])
                        for c, s in server.model_state.items()}
         return ServerState(params, model_state, opt_state, server.round + 1)
 

@@ -21,9 +21,13 @@ from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.feddyn import ENTRY as FEDDYN
 from fedjax_pan.algorithms.fedma import ENTRY as FEDMA
 from fedjax_pan.algorithms.fedprox import ENTRY as FEDPROX
+from fedjax_pan.algorithms.fedrep import ENTRY as FEDREP
+from fedjax_pan.algorithms.fedrod import ENTRY as FEDROD
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.moon import ENTRY as MOON
+from fedjax_pan.algorithms.perfedavg import ENTRY as PERFEDAVG
 from fedjax_pan.algorithms.personal import ENTRIES as PERSONAL
+from fedjax_pan.algorithms.pfedme import ENTRY as PFEDME
 from fedjax_pan.algorithms.scaffold import ENTRY as SCAFFOLD
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
@@ -57,8 +61,12 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "fed2": FED2,
     "fedma": FEDMA,
     **PERSONAL,  # local, fedper, lg_fedavg, fedbn
+    "fedrep": FEDREP,
     "ditto": DITTO,
     "apfl": APFL,
+    "perfedavg": PERFEDAVG,
+    "pfedme": PFEDME,
+    "fedrod": FEDROD,
 }
 
 

@@ -29,6 +29,30 @@ def _jitted(step: Callable) -> Callable:
     return jax.jit(step)
 
 
+def client_batches(data: ClientData, batch_size: int, cohort: Cohort, m: int,
+                   augment: Optional[Augment] = None) -> list:
+    """The batches the cohort's m-th client trains on, in order: exactly its number of
+    steps, cut from the engine's per-epoch permutations, a last partial batch short."""
+    images, labels = np.asarray(data.images), np.asarray(data.labels)
+    table = np.asarray(data.index_table)
+    client = int(cohort.ids[m])
+    n = int(data.sizes[client])
+    per_epoch = -(-n // batch_size)
+    batches = []
+    for t in range(int(cohort.steps[m])):
+        epoch, b = divmod(t, per_epoch)
+        if b == 0:
+            order = np.asarray(epoch_order(cohort.data_keys[m], epoch, n, data.max_size))[:n]
+        rows = table[client, order[b * batch_size:(b + 1) * batch_size]].astype(np.int64)
+        batch = {"x": jnp.asarray(images[rows]), "y": jnp.asarray(labels[rows]),
+                 "mask": jnp.ones(len(rows), jnp.float32)}
+        if augment is not None:
+            batch["x"] = augment_batch(batch["x"], augment_key(cohort.data_keys[m], t),
+                                       augment)
+        batches.append(batch)
+    return batches
+
+
 def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size: int,
                     server: PyTree, cohort: Cohort, augment: Optional[Augment] = None
                     ) -> Tuple[PyTree, list, float]:
@@ -38,7 +62,6 @@ def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size:
     Aggregates in float64 on the host: a streaming aggregator's weighted sum directly,
     a stacked one on the clients' outputs stacked in cohort order.
     """
-    images, labels = np.asarray(data.images), np.asarray(data.labels)
     table = np.asarray(data.index_table)
     outputs, states, loss_sum, count = [], [], 0.0, 0.0
     for m, client in enumerate(cohort.ids):
@@ -51,19 +74,8 @@ def reference_round(algorithm: FederatedAlgorithm, data: ClientData, batch_size:
                                                     minlength=data.label_counts.shape[1]),
                                         jnp.float32))
         local = algorithm.client_init(server, client_state, ctx)
-        per_epoch = -(-n // batch_size)
         step = _jitted(algorithm.client_step)
-        for t in range(int(cohort.steps[m])):
-            epoch, b = divmod(t, per_epoch)
-            if b == 0:
-                order = np.asarray(epoch_order(cohort.data_keys[m], epoch, n,
-                                              data.max_size))[:n]
-            rows = table[client, order[b * batch_size:(b + 1) * batch_size]].astype(np.int64)
-            batch = {"x": jnp.asarray(images[rows]), "y": jnp.asarray(labels[rows]),
-                     "mask": jnp.ones(len(rows), jnp.float32)}
-            if augment is not None:
-                batch["x"] = augment_batch(batch["x"], augment_key(cohort.data_keys[m], t),
-                                           augment)
+        for batch in client_batches(data, batch_size, cohort, m, augment):
             local, metrics = step(local, batch, server)
             loss_sum += float(metrics["loss_sum"])
             count += float(metrics["num_examples"])

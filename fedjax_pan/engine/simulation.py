@@ -18,12 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pan.algorithms.core import FederatedAlgorithm, RoundInfo
-from fedjax_pan.engine.clients import ClientData, LocalWork, client_keys, real_examples
+from fedjax_pan.engine.clients import (ClientData, LocalWork, client_keys, real_examples,
+                                       step_batch)
 from fedjax_pan.engine.execution import Cohort
 
 PyTree = Any
 AGGREGATIONS = ("uniform", "num_examples")
-_DATA_STREAM, _ALGO_STREAM = 1, 2
+_DATA_STREAM, _ALGO_STREAM, _ADAPT_STREAM = 1, 2, 3
 
 
 class SimState(NamedTuple):
@@ -110,10 +111,31 @@ class Simulation:
     def personal_evaluation(self, state: SimState) -> Optional[PyTree]:
         """Every client's own model, stacked on a leading client axis (K, ...), or None
         when the algorithm evaluates its global model on each client's data."""
+        adapt = getattr(self.algorithm, "personal_adapt", None)
+        if adapt is not None:
+            return self._adapted(state.server, state.client_states, state.round)
         personal = getattr(self.algorithm, "personal_variables", None)
         if personal is None or state.client_states is None:
             return None
         return jax.vmap(personal, in_axes=(None, 0))(state.server, state.client_states)
+
+    def adaptation_batches(self, round_index: int) -> Dict[str, jax.Array]:
+        """Each client's batch for `personal_adapt` after `round_index` rounds, stacked
+        (K, B, ...): the first batch of an epoch order of its own, drawn from a stream of
+        the seed apart from training's (masked past the client's data)."""
+        ids = np.arange(self.data.num_clients)
+        keys = client_keys(jax.random.fold_in(self._data_key, _ADAPT_STREAM), round_index, ids)
+        b = self.work.batch_size
+        return jax.vmap(lambda row, n, key: step_batch(
+            self.data.images, self.data.labels, row, n, key, 0, b))(
+            self.data.index_table, jnp.asarray(self.data.sizes, jnp.int32), keys)
+
+    def _adapted(self, server: PyTree, client_states: PyTree, round_index: int) -> PyTree:
+        if not hasattr(self, "_adapt"):
+            self._adapt = jax.jit(jax.vmap(self.algorithm.personal_adapt,
+                                           in_axes=(None, 0, 0)))
+        # A stateless algorithm's None maps over nothing: the batches set the client axis.
+        return self._adapt(server, client_states, self.adaptation_batches(round_index))
 
     def cohort(self, state: SimState, round_index: int) -> Cohort:
         ids = self.sample(round_index)

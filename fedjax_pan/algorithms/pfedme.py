@@ -1,0 +1,109 @@
+"""pFedMe (Dinh et al., NeurIPS 2020): personalisation by Moreau envelopes.
+
+Each client keeps a personal model theta near its copy w of the global model, solving
+
+    min_theta f_k(theta) + lambda/2 ||theta - w||^2
+
+approximately on every batch by `inner_steps` gradient steps of size `personal_lr`
+(theta <- theta - personal_lr (grad f_k(theta) + lambda (theta - w) + mu theta), mu a
+weight decay, PFLlib's pFedMeOptimizer), then moves w towards it:
+w <- w - lr lambda (w - theta). theta starts each round at the received global model and
+carries across the round's batches. The server moves the global model by beta times the
+clients' mean change (beta = 1: their mean; pFedMe's beta > 1 extrapolates). A client
+evaluates its theta of the last round it took part in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.rules import between
+
+PyTree = Any
+tree_map = jax.tree_util.tree_map
+OPTIONS = {"lam": 15.0, "inner_steps": 5, "personal_lr": 0.09, "beta": 1.0, "mu": 0.0}
+RULES = {"lam": between(0), "inner_steps": between(1, integer=True),
+         "personal_lr": between(0, lo_open=True), "beta": between(0, lo_open=True),
+         "mu": between(0)}
+
+
+class PFedMeLocal(NamedTuple):
+    w: PyTree  # the client's copy of the global model
+    theta: PyTree  # its personal model
+    model_state: Dict[str, PyTree]
+    step: jax.Array
+    lr_scale: jax.Array
+
+
+def pfedme(model: nn.Module, learning_rate: float,
+           server_tx: optax.GradientTransformation = optax.sgd(1.0), *, lam: float = 15.0,
+           inner_steps: int = 5, personal_lr: float = 0.09, beta: float = 1.0,
+           mu: float = 0.0, warmup: str = "none", warmup_length: int = 0,
+           loss: local_lib.LossSum = local_lib.masked_cross_entropy) -> FederatedAlgorithm:
+    """pFedMe; `learning_rate` is the local model's (w's) step size, warmed up as FedAvg's
+    `warmup` does; the inner problem's steps use `personal_lr` as they are."""
+    if inner_steps < 1:
+        raise ValueError(f"pFedMe needs inner_steps >= 1, got {inner_steps}")
+    base = fedavg(model, optax.sgd(learning_rate), server_tx, warmup=warmup,
+                  warmup_length=warmup_length)
+
+    def client_state_init(server):
+        return {"params": server.params}
+
+    def client_init(server, client_state, ctx):
+        del client_state, ctx  # theta restarts from the received model
+        lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
+        return PFedMeLocal(server.params, server.params, server.model_state,
+                           jnp.zeros((), jnp.int32), lr_scale)
+
+    def client_step(local, batch, server):
+        del server
+        count = jnp.sum(batch["mask"])
+
+        def mean_loss(theta, model_state):
+            logits, new_state = local_lib.forward(model, theta, model_state, batch, train=True)
+            loss_sum = loss(logits, batch["y"], batch["mask"])
+            return loss_sum / jnp.maximum(count, 1.0), (loss_sum, new_state)
+
+        theta, model_state, first_loss = local.theta, local.model_state, None
+        for _ in range(inner_steps):  # a handful: unrolled
+            g, (loss_sum, model_state) = jax.grad(mean_loss, has_aux=True)(theta, model_state)
+            first_loss = loss_sum if first_loss is None else first_loss
+            theta = tree_map(lambda t, gt, w: t - personal_lr * (gt + lam * (t - w) + mu * t),
+                             theta, g, local.w)
+        rate = learning_rate * lam * local_lib.step_scale(local.step, local.lr_scale, warmup,
+                                                          warmup_length)
+        w = tree_map(lambda w, t: w - rate * (w - t), local.w, theta)
+        return (PFedMeLocal(w, theta, model_state, local.step + 1, local.lr_scale),
+                {"loss_sum": first_loss, "num_examples": count})
+
+    def client_output(local, server):
+        delta = tree_map(lambda a, b: beta * (a - b), local.w, server.params)
+        return {"delta": delta, "model_state": local.model_state}, {"params": local.theta}
+
+    def personal_variables(server, client_state):
+        return {"params": client_state["params"], **server.model_state}
+
+    return base._replace(client_state_init=client_state_init, client_init=client_init,
+                         client_step=client_step, client_output=client_output,
+                         personal_variables=personal_variables)
+
+
+def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
+    del client_tx  # pFedMe's steps are its own (plain SGD on w and on theta)
+    o = cfg.pfedme
+    return pfedme(model, cfg.optimizer.lr, server_tx, lam=o.lam, inner_steps=o.inner_steps,
+                  personal_lr=o.personal_lr, beta=o.beta, mu=o.mu,
+                  warmup=cfg.optimizer.warmup, warmup_length=cfg.optimizer.warmup_length)
+
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
