@@ -6,11 +6,12 @@ pathological, 2 classes per client; `dir`: Dirichlet 0.1 by class) and two feder
 sizes, K = 20 (PFLlib's default, all clients every round) and K = 100 (10% per round).
 Algorithms: FedAvg (its global model on each client's data) and the personalised ones the
 library has, each evaluating its own per-client model: Local, FedPer, LG-FedAvg, Ditto,
-APFL, FedRep, Per-FedAvg (first order), pFedMe, FedRoD (FedBN needs normalisation layers,
-which this MLP has none of: it would be FedAvg). SGD lr 0.05 momentum 0.9 at a constant
-learning rate (PFLlib has no warm-up); as PFLlib, FedRep trains its head one epoch and
-then its body E epochs, Per-FedAvg loads batches of 2B and halves them, and pFedMe and
-Per-FedAvg take their own plain SGD steps (pFedMe: lambda 15, 5 inner steps of 0.09).
+APFL, FedRep, Per-FedAvg (first order), pFedMe, FedRoD, FedALA (FedBN needs normalisation
+layers, which this MLP has none of: it would be FedAvg). SGD lr 0.05 momentum 0.9 at a
+constant learning rate (PFLlib has no warm-up); as PFLlib, FedRep trains its head one
+epoch and then its body E epochs, FedALA makes its ALA pass over 80% of the data before
+its E epochs, Per-FedAvg loads batches of 2B and halves them, and pFedMe and Per-FedAvg
+take their own plain SGD steps (pFedMe: lambda 15, 5 inner steps of 0.09).
 Every run goes through the library's training loop into
 `runs/<setting>_<algorithm>_s<seed>/`.
 
@@ -40,7 +41,7 @@ import numpy as np
 from experiments import common
 
 ALGORITHMS = ("fedavg", "local", "fedper", "lg_fedavg", "ditto", "apfl", "fedrep",
-              "perfedavg", "pfedme", "fedrod")
+              "perfedavg", "pfedme", "fedrod", "fedala")
 # name -> partition overrides
 SKEWS: Dict[str, Dict[str, Any]] = {
     "pat": {"scheme": "pathological", "classes_per_client": 2},
@@ -98,6 +99,9 @@ def run_config(s: Settings, skew: str, k: int, algorithm: str, seed: int):
     if algorithm == "fedrep":  # one head epoch, then E body epochs (PFLlib's)
         cfg.fedrep.head_epochs = 1.0
         cfg.local.epochs = float(s.epochs) + 1.0
+    if algorithm == "fedala":  # ALA's pass over 80% of the data, then E epochs
+        cfg.fedala.ala_epochs = 0.8
+        cfg.local.epochs = float(s.epochs) + 0.8
     if algorithm == "perfedavg":  # each step halves a batch of 2B
         cfg.local.batch_size = 2 * cfg.local.batch_size
     return apply_overrides(cfg, {"partition": SKEWS[skew]})

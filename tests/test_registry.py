@@ -9,7 +9,7 @@ from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, refer
 from fedjax_pan.algorithms import registry
 from fedjax_pan.defaults import default_config
 
-PERSONALISED = ["local", "fedper", "lg_fedavg", "fedbn", "fedrep", "ditto", "apfl",
+PERSONALISED = ["local", "fedper", "lg_fedavg", "fedbn", "fedrep", "ditto", "apfl", "fedala",
                 "perfedavg", "perfedavg_hf", "pfedme", "fedrod"]
 
 

@@ -17,6 +17,7 @@ from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.apfl import ENTRY as APFL
 from fedjax_pan.algorithms.ditto import ENTRY as DITTO
 from fedjax_pan.algorithms.fed2 import ENTRY as FED2
+from fedjax_pan.algorithms.fedala import ENTRY as FEDALA
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.feddyn import ENTRY as FEDDYN
 from fedjax_pan.algorithms.fedma import ENTRY as FEDMA
@@ -67,6 +68,7 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "perfedavg": PERFEDAVG,
     "pfedme": PFEDME,
     "fedrod": FEDROD,
+    "fedala": FEDALA,
 }
 
 
