@@ -327,10 +327,9 @@ def test_a_refused_workdir_costs_no_data_loading(tmp_path, monkeypatch):
 # FedDyn's and MOON's per-client states are stored as Scaffold's is (params-shaped trees
 # per client, stacked over all K), through the same checkpoint code.
 # One of each kind of client state: params-shaped (Scaffold), flat partial dicts (FedPer),
-# full variables (Ditto), params and a scalar (APFL), a head (FedRoD), none but a personal
-# model adapted on round-dependent batches (Per-FedAvg).
-@pytest.mark.parametrize("algorithm", ["scaffold", "fedper", "ditto", "apfl", "perfedavg",
-                                       "fedrod"])
+# full variables (Ditto), a head (FedRoD), none but a personal model adapted on
+# round-dependent batches (Per-FedAvg).
+@pytest.mark.parametrize("algorithm", ["scaffold", "fedper", "ditto", "perfedavg", "fedrod"])
 def test_stateful_algorithms_resume_exactly(tmp_path, algorithm):
     """Per-client state (control variates, previous models, gradients, personal models)
     goes through the checkpoint: 2 rounds + resume to 3 equals 3 rounds in one go, the
