@@ -6,12 +6,14 @@ pathological, 2 classes per client; `dir`: Dirichlet 0.1 by class) and two feder
 sizes, K = 20 (PFLlib's default, all clients every round) and K = 100 (10% per round).
 Algorithms: FedAvg (its global model on each client's data) and the personalised ones the
 library has, each evaluating its own per-client model: Local, FedPer, LG-FedAvg, Ditto,
-APFL, FedRep, Per-FedAvg (first order), pFedMe, FedRoD, FedALA (FedBN needs normalisation
-layers, which this MLP has none of: it would be FedAvg). SGD lr 0.05 momentum 0.9 at a
+APFL, FedRep, Per-FedAvg (first order), pFedMe, FedRoD, FedALA, KT-pFL (FedBN needs
+normalisation layers, which this MLP has none of: it would be FedAvg). SGD lr 0.05 momentum 0.9 at a
 constant learning rate (PFLlib has no warm-up); as PFLlib, FedRep trains its head one
 epoch and then its body E epochs, FedALA makes its ALA pass over 80% of the data before
 its E epochs, Per-FedAvg loads batches of 2B and halves them, and pFedMe and Per-FedAvg
-take their own plain SGD steps (pFedMe: lambda 15, 5 inner steps of 0.09).
+take their own plain SGD steps (pFedMe: lambda 15, 5 inner steps of 0.09); KT-pFL holds
+1,000 training examples out as its public set and distils for an epoch's steps after its
+E epochs.
 Every run goes through the library's training loop into
 `runs/<setting>_<algorithm>_s<seed>/`.
 
@@ -41,7 +43,8 @@ import numpy as np
 from experiments import common
 
 ALGORITHMS = ("fedavg", "local", "fedper", "lg_fedavg", "ditto", "apfl", "fedrep",
-              "perfedavg", "pfedme", "fedrod", "fedala")
+              "perfedavg", "pfedme", "fedrod", "fedala", "ktpfl")
+PUBLIC_SIZE = 1000  # KT-pFL's unlabelled public set, held out of the training set
 # name -> partition overrides
 SKEWS: Dict[str, Dict[str, Any]] = {
     "pat": {"scheme": "pathological", "classes_per_client": 2},
@@ -102,6 +105,10 @@ def run_config(s: Settings, skew: str, k: int, algorithm: str, seed: int):
     if algorithm == "fedala":  # ALA's pass over 80% of the data, then E epochs
         cfg.fedala.ala_epochs = 0.8
         cfg.local.epochs = float(s.epochs) + 0.8
+    if algorithm == "ktpfl":  # E epochs, then as many distillation steps as one epoch
+        cfg.dataset.public_size = PUBLIC_SIZE
+        cfg.ktpfl.distill_epochs = 1.0
+        cfg.local.epochs = float(s.epochs) + 1.0
     if algorithm == "perfedavg":  # each step halves a batch of 2B
         cfg.local.batch_size = 2 * cfg.local.batch_size
     return apply_overrides(cfg, {"partition": SKEWS[skew]})

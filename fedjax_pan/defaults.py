@@ -22,10 +22,12 @@ def default_config() -> ml_collections.ConfigDict:
     c.algorithm = "fedavg"
     # augment: 'crop_flip' = random 4-pixel-padded crops and horizontal flips of training
     # batches (the CIFAR pipeline); normalization: 'standard' (each dataset's statistics)
-    # or 'authors' (the PAN authors' CIFAR constants).
+    # or 'authors' (the PAN authors' CIFAR constants). public_size: a seeded slice of the
+    # training set held out of every client's data as unlabelled public data (KT-pFL).
     c.dataset = ml_collections.ConfigDict({"name": "fashion_mnist",
                                            "data_dir": placeholder(str),
                                            "train_limit": placeholder(int),
+                                           "public_size": 0,
                                            "augment": "none", "normalization": "standard"})
     c.model = ml_collections.ConfigDict({"name": "mlp", "norm": placeholder(str),
                                          "options": {}})

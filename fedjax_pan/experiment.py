@@ -15,7 +15,7 @@ import math
 import os
 import re
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +144,19 @@ def _check_shuffleable(algorithm: Any, variables: Any, num_classes: int, name: s
            f"algorithm {name!r} keeps {type(local).__name__}: set shuffle.n_sf=0")
 
 
+def public_split(num_train: int, public_size: int, seed: int
+                 ) -> Tuple[np.ndarray, np.ndarray]:
+    """(public rows, rows kept for the clients) of the training set: `public_size` rows
+    drawn by the seed, held out of every client's data (both sorted)."""
+    if public_size <= 0:
+        return np.zeros(0, np.int64), np.arange(num_train)
+    if public_size >= num_train:
+        raise ConfigError(f"config.dataset.public_size={public_size} must be below the "
+                          f"{num_train} training examples")
+    perm = np.random.default_rng([seed, 0x9B]).permutation(num_train)
+    return np.sort(perm[:public_size]), np.sort(perm[public_size:])
+
+
 def build(cfg: ml_collections.ConfigDict,
           cache: Optional[Dict[Any, Any]] = None) -> Experiment:
     """Everything a run needs, from a config (validated here); `cache` shares loaded data."""
@@ -161,11 +174,18 @@ def build(cfg: ml_collections.ConfigDict,
     _check(p.num_clients <= ds.num_train,
            f"config.partition.num_clients={p.num_clients} exceeds the {ds.num_train} "
            "training examples")
+    public_rows, kept = public_split(ds.num_train, cfg.dataset.public_size, cfg.seed)
+    _check(len(kept) >= p.num_clients,
+           f"config.dataset.public_size={cfg.dataset.public_size} leaves {len(kept)} training "
+           f"examples for {p.num_clients} clients")
     try:
-        parts = data_lib.partition(ds.train_labels, p.num_clients, p.scheme, cfg.seed,
-                                   alpha=p.alpha, classes_per_client=p.classes_per_client,
+        groups = None if ds.train_groups is None else np.asarray(ds.train_groups)[kept]
+        parts = data_lib.partition(np.asarray(ds.train_labels)[kept], p.num_clients, p.scheme,
+                                   cfg.seed, alpha=p.alpha,
+                                   classes_per_client=p.classes_per_client,
                                    min_size=p.min_size, balance=p.balance,
-                                   num_classes=ds.num_classes, groups=ds.train_groups)
+                                   num_classes=ds.num_classes, groups=groups)
+        parts = [kept[q] for q in parts]  # indices into the whole training set
     except ValueError as e:
         raise ConfigError(f"partition: {e}") from None
     test_parts = None
@@ -202,7 +222,8 @@ def build(cfg: ml_collections.ConfigDict,
         return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy,
                           **local)
     try:
-        algorithm = algorithms.from_config(model, cfg)
+        algorithm = algorithms.from_config(
+            model, cfg, public=train_x[public_rows] if len(public_rows) else None)
     except ValueError as e:
         raise ConfigError(f"config.{cfg.algorithm}: {e}") from None
     if cfg.shuffle.n_sf > 0:

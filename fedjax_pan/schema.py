@@ -49,6 +49,7 @@ RULES: Dict[str, Rule] = {
     "dataset.name": one_of(DATASETS + ("synthetic",)),
     "dataset.data_dir": Rule(directory, optional=True),
     "dataset.train_limit": between(1, integer=True, optional=True),
+    "dataset.public_size": between(0, integer=True),
     "dataset.augment": one_of(AUGMENTS),
     "dataset.normalization": one_of(NORMALIZATIONS),
     "model.name": one_of(models.NAMES),

@@ -3,6 +3,8 @@ a personal model) gives the same numbers under the loop and vmap executors as un
 slow sequential reference, and evaluates the same personal models either way."""
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, reference_rounds
@@ -10,7 +12,8 @@ from fedjax_pan.algorithms import registry
 from fedjax_pan.defaults import default_config
 
 PERSONALISED = ["local", "fedper", "lg_fedavg", "fedbn", "fedrep", "ditto", "apfl", "fedala",
-                "perfedavg", "perfedavg_hf", "pfedme", "fedrod"]
+                "perfedavg", "perfedavg_hf", "pfedme", "fedrod", "ktpfl"]
+PUBLIC = jnp.asarray(np.random.default_rng(0).normal(size=(12, 6, 6, 1)), jnp.float32)
 
 
 def _build(name, model):
@@ -19,8 +22,9 @@ def _build(name, model):
     cfg.perfedavg.hessian_free = name.endswith("_hf")
     cfg.optimizer.lr, cfg.optimizer.momentum, cfg.optimizer.warmup = PFL_LR, 0.9, "none"
     cfg.local.epochs, cfg.local.batch_size = PFL_WORK.epochs, PFL_WORK.batch_size
-    cfg.fedrep.head_epochs = 0.5
-    return registry.from_config(model, cfg)
+    cfg.fedrep.head_epochs = cfg.ktpfl.distill_epochs = 0.5
+    cfg.partition.num_clients = 6
+    return registry.from_config(model, cfg, public=PUBLIC)
 
 
 @pytest.mark.parametrize("name", PERSONALISED)
@@ -54,7 +58,10 @@ def test_every_algorithm_builds_from_the_default_config(name):
         from fedjax_pan import models
         model = models.build("mlp", 10, hidden=[20, 20], grouped={"groups": 2, "depth": 2})
         variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
-    algo = registry.from_config(model, cfg)
+    if registry.ALGORITHMS[name].public:
+        with pytest.raises(ValueError, match="dataset.public_size > 0"):
+            registry.from_config(model, cfg)
+    algo = registry.from_config(model, cfg, public=PUBLIC)
     server = algo.server_init(variables)
     algo.client_state_init(server)
     assert set(algo.eval_variables(server)) >= {"params"}

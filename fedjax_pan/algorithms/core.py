@@ -157,6 +157,9 @@ class AlgorithmEntry(NamedTuple):
     options: Dict[str, Any]
     rules: Dict[str, Any]
     driver: Optional[Callable[..., Any]] = None
+    # True: `build` also takes `public=` the unlabelled public images (N_pub, H, W, C),
+    # normalised as the clients' (`config.dataset.public_size` of them must be held out).
+    public: bool = False
 
 
 def no_client_state(server_state: PyTree) -> None:

@@ -24,6 +24,7 @@ from fedjax_pan.algorithms.fedma import ENTRY as FEDMA
 from fedjax_pan.algorithms.fedprox import ENTRY as FEDPROX
 from fedjax_pan.algorithms.fedrep import ENTRY as FEDREP
 from fedjax_pan.algorithms.fedrod import ENTRY as FEDROD
+from fedjax_pan.algorithms.ktpfl import ENTRY as KTPFL
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.moon import ENTRY as MOON
 from fedjax_pan.algorithms.perfedavg import ENTRY as PERFEDAVG
@@ -69,6 +70,7 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "pfedme": PFEDME,
     "fedrod": FEDROD,
     "fedala": FEDALA,
+    "ktpfl": KTPFL,
 }
 
 
@@ -89,13 +91,21 @@ def client_tx(cfg: Any) -> optax.GradientTransformation:
     return client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip)
 
 
-def from_config(model: nn.Module, cfg: Any) -> FederatedAlgorithm:
-    """The algorithm `cfg.algorithm` for `model`, configured by `cfg`."""
+def from_config(model: nn.Module, cfg: Any, public: Any = None) -> FederatedAlgorithm:
+    """The algorithm `cfg.algorithm` for `model`, configured by `cfg`; `public`: the
+    unlabelled public images, for an algorithm that uses them."""
     if cfg.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {cfg.algorithm!r}; available: {sorted(ALGORITHMS)}")
     server = cfg.server
     server_tx = server_optimizer(server.optimizer, server.lr, server.momentum)
-    algorithm = ALGORITHMS[cfg.algorithm].build(model, cfg, client_tx(cfg), server_tx)
+    entry = ALGORITHMS[cfg.algorithm]
+    if entry.public:
+        if public is None or len(public) == 0:
+            raise ValueError(f"{cfg.algorithm} distils on unlabelled public data: set "
+                             f"dataset.public_size > 0 (a held-out slice of the training set)")
+        algorithm = entry.build(model, cfg, client_tx(cfg), server_tx, public=public)
+    else:
+        algorithm = entry.build(model, cfg, client_tx(cfg), server_tx)
     rule = cfg.aggregation.rule
     if rule != "mean":
         if algorithm.aggregator is not core.weighted_mean:
