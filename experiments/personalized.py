@@ -28,7 +28,8 @@ Presets:
   default the cpu preset
   smoke   synthetic data, a 16-wide MLP, K = 6, 2 rounds, two algorithms, one skew
 Outputs: personalized_runs.csv, personalized.csv (mean / std over seeds per setting and
-algorithm), personalized.json, personalized.png (the PFLlib aggregate per setting).
+algorithm), personalized.json, personalized.png (the PFLlib aggregate per setting),
+personalized_curves.png (the PFLlib aggregate per round).
 """
 
 from __future__ import annotations
@@ -149,6 +150,8 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
     common.write_json(ctx.path("personalized.json"), {"settings": s, "runs": rows,
                                                       "table": table})
     plot(table, ctx.path("personalized.png"), s)
+    plot_curves(keys, [curve for _, _, curve in results], ctx.path("personalized_curves.png"),
+                s)
     lines = ["per-client test accuracy (mean of the last 3 evaluations; mean over seeds):",
              f"  {'setting':<8} {'algorithm':<10} {'PFLlib':>7} {'mean':>7} {'std':>6} "
              f"{'worst10':>8} {'global':>7} {'cost':>6}"]
@@ -202,6 +205,43 @@ def plot(table: Sequence[Dict[str, Any]], path: str, s: Settings) -> str:
            title=f"Personalised FL ({s.dataset}, {s.rounds} rounds, E = {s.epochs:g})")
     ax.legend(fontsize=7, ncol=3)
     ax.grid(axis="y", alpha=0.3)
+    return common.save_figure(fig, path)
+
+
+def plot_curves(keys: Sequence[Tuple[str, int, str, int]],
+                curves: Sequence[Sequence[Dict[str, Any]]], path: str, s: Settings) -> str:
+    """PFLlib aggregate accuracy per round: one panel per setting, a line per algorithm
+    (the mean over seeds)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    settings = list(dict.fromkeys(setting_name(skew, k) for skew, k, _, _ in keys))
+    algorithms = list(dict.fromkeys(a for _, _, a, _ in keys))
+    import matplotlib
+
+    colors = matplotlib.colormaps["tab20"]
+    fig = Figure(figsize=(4.2 * len(settings), 4.2))
+    FigureCanvasAgg(fig)
+    axes = np.atleast_1d(fig.subplots(1, len(settings), sharey=True))
+    for ax, setting in zip(axes, settings):
+        for i, a in enumerate(algorithms):
+            runs = [c for (skew, k, alg, _), c in zip(keys, curves)
+                    if setting_name(skew, k) == setting and alg == a and c]
+            if not runs:
+                continue
+            length = min(len(c) for c in runs)
+            acc = np.mean([[100 * r["pfl_accuracy"] for r in c[:length]] for c in runs], 0)
+            ax.plot([r["round"] for r in runs[0][:length]], acc, label=a, color=colors(i),
+                    linestyle="--" if a == "fedavg" else "-")
+        ax.set(title=setting, xlabel="round")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy on clients' own test data (%)")
+    handles = {h.get_label(): h for ax in axes for h in ax.get_lines()}
+    fig.legend([handles[a] for a in algorithms if a in handles],
+               [a for a in algorithms if a in handles], loc="lower center",
+               ncol=min(len(handles), 7), fontsize=8, bbox_to_anchor=(0.5, -0.02))
+    fig.suptitle(f"Personalised FL ({s.dataset}, E = {s.epochs:g}, seeds {list(s.seeds)})")
+    fig.subplots_adjust(bottom=0.25, top=0.85)
     return common.save_figure(fig, path)
 
 

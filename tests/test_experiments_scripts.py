@@ -577,3 +577,4 @@ def test_personalized_table_from_its_runs(tmp_path):
             row["client_accuracy_mean"]) <= 1
     assert float(table[0]["cost_vs_fedavg"]) == 1.0
     assert os.path.getsize(os.path.join(out, "personalized.png")) > 10_000
+    assert os.path.getsize(os.path.join(out, "personalized_curves.png")) > 10_000
