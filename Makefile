@@ -16,6 +16,8 @@ test: setup
 	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
 
 bench: setup
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 \
+	  || echo "fedjax_pan: torch not installed: the benchmark runs without its PyTorch row" >&2
 	$(PY) -m benchmarks.run --suite cpu --out runs/bench
 
 clean:

@@ -23,6 +23,8 @@ TARGETS = (
      "<="),
     ("FedJAX workload: engine (auto) training throughput >= 1.1x the FedJAX-style loop",
      "throughput_fedjax", 1.10, ">="),
+    ("FedJAX workload: engine (auto) training throughput >= 1.3x PFLlib-style PyTorch",
+     "throughput_pytorch", 1.30, ">="),
     ("auto's training at least the naive loop's speed on every workload", "auto_vs_naive",
      1.0, ">="),
 )
@@ -49,6 +51,9 @@ def _target_value(results: Results, key: str) -> Optional[float]:
     if key == "throughput_fedjax" and "throughput" in results:
         r = results["throughput"]
         return r["configs"][f"{r['auto']} (auto)"]["vs_fedjax_style"]
+    if key == "throughput_pytorch" and "throughput" in results:
+        r = results["throughput"]
+        return r["configs"][f"{r['auto']} (auto)"].get("vs_pytorch")
     if key == "auto_vs_naive":
         ratios = [rec["strategies"][rec["auto"]["picks"]]["training_speedup_vs_naive"]
                   for rec in [results.get("mlp")] + list(results.get("vgg", {}).values())
@@ -193,11 +198,14 @@ def _blocks(results: Results) -> List[tuple]:
 
 def _throughput_blocks(r: Dict[str, Any]) -> List[tuple]:
     w = r["workload"]
+    torch_row = any("vs_pytorch" in c for c in r["configs"].values())
     header = ["config", "s/round", "examples/s", "GFLOP/s", "% ceiling", "vs FedJAX-style",
-              "vs naive", "compiles warm/timed", "reps"]
+              "vs naive", *(["vs PyTorch"] if torch_row else []), "compiles warm/timed",
+              "reps"]
     rows = [[k, f"{c['seconds_per_round']:.3f}", f"{c['examples_per_second']:.0f}",
              f"{c['gflops']:.1f}", f"{100 * c['fraction_of_ceiling']:.1f}%",
              f"{c['vs_fedjax_style']:.3f}", f"{c['vs_naive']:.3f}",
+             *([f"{c['vs_pytorch']:.3f}"] if torch_row else []),
              f"{c['compiles_warmup']}/{c['compiles_timed']}", str(c["reps"])]
             for k, c in r["configs"].items()]
     agree = ", ".join(f"{k} {v:.1e}" for k, v in r["agreement_max_rel_diff"].items())
@@ -212,7 +220,10 @@ def _throughput_blocks(r: Dict[str, Any]) -> List[tuple]:
              "(sample-epochs) per second of training; `vs` columns are this row's "
              "throughput over the baseline's, measured in this run",
              "FedJAX-style = FedJAX's jit backend (host-side batches, one dispatch per step, "
-             "`benchmarks/fedjax_style.py`); naive = `benchmarks/naive.py`",
+             "`benchmarks/fedjax_style.py`); naive = `benchmarks/naive.py`; PyTorch = "
+             "PFLlib's client loop on the CPU (`benchmarks/pytorch_style.py`, torch "
+             + (f"{r['torch_version']}, {r['torch_threads']} threads)" if torch_row else
+                "not installed here: no row)"),
              f"global model after round 0 against the engine's (max rel diff): {agree}"]
     blocks = [("FedJAX workload (Fashion-MNIST, 20 clients)", notes, header, rows)]
     if r.get("startup"):

@@ -782,7 +782,13 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
             model = w.model.clone(grouped=GroupedConfig(groups=10, depth=3))
             variables = models.init(model, jax.random.PRNGKey(settings.seed),
                                     tuple(w.data.images.shape[1:]))
-        algorithm = entry.build(model, cfg, client_tx, server_tx)
+        if entry.public:  # KT-pFL distils on public data: the first 500 examples here
+            with cfg.unlocked():
+                cfg.partition.num_clients = w.data.num_clients
+            algorithm = entry.build(model, cfg, client_tx, server_tx,
+                                    public=w.data.images[:500])
+        else:
+            algorithm = entry.build(model, cfg, client_tx, server_tx)
         ex = make_executor(strategy, algorithm, w.work, w.data, variables, m_per)
         sim = Simulation(algorithm, w.data, w.work, ex, m_per / w.data.num_clients,
                          seed=settings.seed)

@@ -4,8 +4,9 @@ Fashion-MNIST (synthetic in the quick suite) split over 20 clients by
 `partition(labels, 20, 'dirichlet_by_class', seed, alpha=0.1)`, 10 clients per round (the
 same cohorts for every configuration), MLP 784-1024x3-10, E=5, B=64, SGD lr 0.05 without
 momentum, FedAvg weighted by client examples. Timed per configuration: the engine (`auto`
-and `loop`), the naive per-batch loop (`naive.NaiveFedAvg`) and FedJAX's way of running
-FedAvg (`fedjax_style.FedJaxStyleFedAvg`: host-side batches, one dispatch per step).
+and `loop`), the naive per-batch loop (`naive.NaiveFedAvg`), FedJAX's way of running
+FedAvg (`fedjax_style.FedJaxStyleFedAvg`: host-side batches, one dispatch per step) and,
+where torch is installed, PFLlib's in PyTorch (`pytorch_style.PyTorchStyleFedAvg`).
 Timed rounds are interleaved (round r of every configuration, then round r + 1, each round
 starting with the next row), so a drift in the machine's speed hits all of them alike; throughput is real training examples
 (sample-epochs) per second of training.
@@ -36,7 +37,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple  # noqa:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks import pytorch_style  # noqa: E402
 from benchmarks.fedjax_style import FedJaxStyleFedAvg  # noqa: E402
+from benchmarks.pytorch_style import PyTorchStyleFedAvg  # noqa: E402
 from benchmarks.naive import NaiveFedAvg, engine_orders, max_rel_diff  # noqa: E402
 from fedjax_pan import data as data_lib  # noqa: E402
 from fedjax_pan import models  # noqa: E402
@@ -49,6 +52,7 @@ PyTree = Any
 Log = Callable[[str], None]
 MLP_PARAMS = 2_913_290
 STARTUP_ROWS = ("engine (cold cache)", "engine (warm cache)", "fedjax-style")
+PYTORCH = "pytorch (PFLlib-style)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +167,9 @@ def _host_config(s: ThroughputSettings, setup: Setup, sim: Simulation,
         ids = sim.sample(r)
         order = engine_orders(first.data_keys, setup.data.max_size) if r == 0 else None
         parts = [setup.parts[i] for i in ids]
+        if isinstance(loop, PyTorchStyleFedAvg):
+            loop.round(setup.images, setup.labels, parts, order)
+            return real_examples(setup.work, setup.data.sizes[ids])
         if isinstance(loop, FedJaxStyleFedAvg):
             box[0], _ = loop.round(box[0], setup.images, setup.labels, parts, rng,
                                    jax.random.PRNGKey(r), order)
@@ -171,6 +178,8 @@ def _host_config(s: ThroughputSettings, setup: Setup, sim: Simulation,
                                    weights=setup.data.sizes[ids])
         jax.block_until_ready(box[0])
         return real_examples(setup.work, setup.data.sizes[ids])
+    if isinstance(loop, PyTorchStyleFedAvg):
+        return _Config(run, loop.params)
     return _Config(run, lambda: box[0])
 
 
@@ -187,6 +196,12 @@ def throughput_section(s: ThroughputSettings, ceiling: float, log: Log) -> Dict[
         setup.model, s.learning_rate, s.momentum, s.batch_size, s.epochs))
     configs["naive loop"] = _host_config(s, setup, sim, NaiveFedAvg(
         setup.model, s.learning_rate, s.momentum, s.batch_size, s.epochs))
+    if pytorch_style.available():
+        configs[PYTORCH] = _host_config(s, setup, sim, PyTorchStyleFedAvg(
+            setup.variables["params"], s.learning_rate, s.momentum, s.batch_size, s.epochs,
+            s.seed))
+    else:
+        log("[throughput] torch is not installed: no PyTorch row (pip install torch==2.13.0)")
     firsts = {}
     for k, c in configs.items():  # warm-up: round 0, whose models are compared
         with count_compiles() as warm:
@@ -217,8 +232,10 @@ def throughput_section(s: ThroughputSettings, ceiling: float, log: Log) -> Dict[
                       "compile_seconds_warmup": c.compile_seconds_warmup,
                       "compiles_timed": c.compiles_timed}
     for rec in records.values():
-        for base, key in (("fedjax-style loop", "vs_fedjax_style"), ("naive loop", "vs_naive")):
-            rec[key] = rec["examples_per_second"] / records[base]["examples_per_second"]
+        for base, key in (("fedjax-style loop", "vs_fedjax_style"), ("naive loop", "vs_naive"),
+                          (PYTORCH, "vs_pytorch")):
+            if base in records:
+                rec[key] = rec["examples_per_second"] / records[base]["examples_per_second"]
     reference = firsts[next(iter(sims))]
     agreement = {k: max_rel_diff(p, reference) for k, p in firsts.items()}
     sizes = setup.data.sizes
@@ -230,6 +247,9 @@ def throughput_section(s: ThroughputSettings, ceiling: float, log: Log) -> Dict[
         "flops_per_example": flops, "alpha": s.alpha, "momentum": s.momentum,
         "learning_rate": s.learning_rate},
         "auto": auto, "configs": records, "agreement_max_rel_diff": agreement}
+    if PYTORCH in configs:
+        import torch
+        out["torch_version"], out["torch_threads"] = torch.__version__, torch.get_num_threads()
     if s.startup:
         out["startup"] = startup_rows(s, log)
     return out

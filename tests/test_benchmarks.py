@@ -25,6 +25,7 @@ if ROOT not in sys.path:  # benchmarks/ is a top-level folder, not an installed 
     sys.path.insert(0, ROOT)
 
 from benchmarks import fedjax_style  # noqa: E402
+from benchmarks import pytorch_style  # noqa: E402
 from benchmarks import naive as naive_lib  # noqa: E402
 from benchmarks import run as run_lib  # noqa: E402
 from benchmarks import suites  # noqa: E402
@@ -154,7 +155,10 @@ def test_suite_records_engine_naive_agreement(quick):
 def test_targets_and_reports_are_written(quick):
     out, results, stdout = quick
     names = [t["name"] for t in results["targets"]]
-    assert len(names) == 13 and all(t["status"] in ("PASS", "MISS") for t in results["targets"])
+    assert len(names) == 14
+    for t in results["targets"]:  # the PyTorch target is n/a where torch is not installed
+        torch_target = "PyTorch" in t["name"] and not pytorch_style.available()
+        assert t["status"] in (("n/a",) if torch_target else ("PASS", "MISS")), t
     markdown = (out / "RESULTS.md").read_text()
     for needle in ["# Benchmark results", "## Targets", "## MLP bench", "## Scaling",
                    "## What stands between the MLP step and the matmul ceiling",
@@ -253,6 +257,34 @@ def test_fedjax_style_and_weighted_naive_rounds_match_engine_round(momentum):
     assert naive_lib.max_rel_diff(other, engine) > 1e-3
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_pytorch_style_round_matches_engine_round(momentum):
+    pytest.importorskip("torch")  # the optional PyTorch baseline (make bench installs it)
+    from benchmarks import pytorch_style
+    images, labels, parts, model, variables, _ = _setup()
+    algorithm = fedavg(model, client_optimizer(0.05, momentum, 0.0, None))
+    data = ClientData.create(images, labels, parts)
+    work = LocalWork(BATCH, EPOCHS)
+    sim = Simulation(algorithm, data, work, make_executor("auto", algorithm, work, data,
+                                                          variables, 4),
+                     4 / len(SIZES), aggregation="num_examples", seed=3)
+    state = sim.init(variables)
+    cohort = sim.cohort(state, 0)
+    engine = algorithm.eval_variables(sim.round(state)[0].server)["params"]
+    chosen = [parts[i] for i in cohort.ids]
+    torch_loop = pytorch_style.PyTorchStyleFedAvg(variables["params"], 0.05, momentum, BATCH,
+                                                  EPOCHS)
+    _, examples = torch_loop.round(images, labels, chosen, naive_lib.engine_orders(
+        cohort.data_keys, data.max_size))
+    assert examples == EPOCHS * sum(len(p) for p in chosen)
+    assert naive_lib.max_rel_diff(torch_loop.params(), engine) <= 1e-4
+    # Not vacuous: PFLlib's own DataLoader shuffle gives another model.
+    other = pytorch_style.PyTorchStyleFedAvg(variables["params"], 0.05, momentum, BATCH,
+                                             EPOCHS)
+    other.round(images, labels, chosen)
+    assert naive_lib.max_rel_diff(other.params(), engine) > 1e-3
+
+
 def test_throughput_section(quick):
     """The FedJAX workload: rows, ratios from the throughputs, agreement, start-up."""
     out, results, _ = quick
@@ -269,6 +301,14 @@ def test_throughput_section(quick):
             assert c["compiles_timed"] == 0, name
     assert configs["fedjax-style loop"]["vs_fedjax_style"] == 1.0
     assert all(0 <= d <= 1e-4 for d in r["agreement_max_rel_diff"].values())
+    torch_rows = [k for k in configs if k.startswith("pytorch")]
+    assert len(torch_rows) == (1 if pytorch_style.available() else 0)
+    for name, c in configs.items():
+        if torch_rows:
+            pt = configs[torch_rows[0]]["examples_per_second"]
+            assert c["vs_pytorch"] == pytest.approx(c["examples_per_second"] / pt)
+        else:
+            assert "vs_pytorch" not in c
     target = {t["name"]: t for t in results["targets"]}[
         "FedJAX workload: engine (auto) training throughput >= 1.1x the FedJAX-style loop"]
     assert target["value"] == pytest.approx(configs[auto]["vs_fedjax_style"])
