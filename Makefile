@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= runs/fmnist_mlp_pan_compare
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-slow bench clean
 
 setup:
 	@VENV=$(VENV) bash tools/setup.sh
@@ -13,7 +13,12 @@ run: setup
 	$(PY) -m fedjax_pan.main --config=configs/fmnist_mlp.py:compare --workdir=$(WORKDIR) --overwrite
 
 test: setup
-	$(PY) -m pytest -q -n 2 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n 2 -m "not slow" $(PYTEST_ARGS)
+
+# The tests marked slow: every algorithm against the sequential reference under each
+# executor, resume for every kind of client state, the benchmark suite's quick run.
+test-slow: setup
+	$(PY) -m pytest -q -n 2 -m slow $(PYTEST_ARGS)
 
 bench: setup
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 \

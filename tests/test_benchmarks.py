@@ -69,6 +69,7 @@ def _engine_configs(results):
         yield from ((f"vgg.{key}.{k}", v) for k, v in bench["strategies"].items())
 
 
+@pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes
 def test_every_section_is_present(quick):
     _, results, _ = quick
     for section in ("meta", "settings", "matmul", "mlp", "padding", "vgg", "scaling",
@@ -100,6 +101,7 @@ def test_every_section_is_present(quick):
     assert [p["clients_per_round"] for p in results["scaling"]["points"]] == [2, 5, 10]
 
 
+@pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes
 def test_numbers_are_finite_and_key_figures_positive(quick):
     _, results, _ = quick
     checked = 0
@@ -114,6 +116,7 @@ def test_numbers_are_finite_and_key_figures_positive(quick):
     assert results["memory"]["peak_rss_mib"] > 0 and results["compiles"]["count"] > 0
 
 
+@pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes
 def test_step_profile_floor_adds_up(quick):
     _, results, _ = quick
     rows = results["profile"]["rows"]
@@ -127,6 +130,7 @@ def test_step_profile_floor_adds_up(quick):
                                                       ["profile"])
 
 
+@pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes
 def test_padding_efficiency_is_a_fraction(quick):
     _, results, _ = quick
     records = [rec for _, rec in _engine_configs(results)] + [results["padding"]["naive"]]
@@ -136,6 +140,7 @@ def test_padding_efficiency_is_a_fraction(quick):
         assert 0 < rec["expected_padding_efficiency"] <= 1
 
 
+@pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes
 def test_nothing_compiles_after_warm_up(quick):
     _, results, _ = quick
     for name, rec in _engine_configs(results):
@@ -143,6 +148,7 @@ def test_nothing_compiles_after_warm_up(quick):
     assert results["scaling"]["compiles_after_warmup"] == 0
 
 
+@pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes
 def test_suite_records_engine_naive_agreement(quick):
     _, results, _ = quick
     agreements = [results["mlp"]["agreement_max_rel_diff"]] + [
@@ -152,6 +158,7 @@ def test_suite_records_engine_naive_agreement(quick):
         assert all(0 <= d <= 1e-4 for d in agreement.values()), agreement
 
 
+@pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes
 def test_targets_and_reports_are_written(quick):
     out, results, stdout = quick
     names = [t["name"] for t in results["targets"]]
@@ -285,6 +292,7 @@ def test_pytorch_style_round_matches_engine_round(momentum):
     assert naive_lib.max_rel_diff(other.params(), engine) > 1e-3
 
 
+@pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes
 def test_throughput_section(quick):
     """The FedJAX workload: rows, ratios from the throughputs, agreement, start-up."""
     out, results, _ = quick
@@ -356,6 +364,7 @@ def test_unbucketed_executor_keeps_cohort_order():
     assert bucketed.computed_examples(sizes, steps) < unbucketed.computed_examples(sizes, steps)
 
 
+@pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes
 def test_grouped_conv_section(quick):
     """The grouped_conv section of the quick run: FLOPs, auto's pick, tables and targets."""
     out, results, _ = quick

@@ -62,6 +62,7 @@ def test_fl_presets_are_valid_configs():
                 experiment.validate(common.fl_config(settings.setup, pan, seed=0))
 
 
+@pytest.mark.slow  # every script's smoke preset run (shared fixture)
 def test_r_kept(runs):
     d = runs["r_kept"]
     rows = common.read_csv(os.path.join(d, "r_kept_vs_psf.csv"))
@@ -78,6 +79,7 @@ def test_r_kept(runs):
         assert os.path.getsize(os.path.join(d, name)) > 0
 
 
+@pytest.mark.slow  # every script's smoke preset run (shared fixture)
 def test_shuffle_error_vanishes_without_pans(runs):
     d = runs["shuffle_error"]
     summary = _json(os.path.join(d, "shuffle_error.json"))["models"]
@@ -95,6 +97,7 @@ def test_shuffle_error_vanishes_without_pans(runs):
             assert rel > 1e-3, r
 
 
+@pytest.mark.slow  # every script's smoke preset run (shared fixture)
 def test_shuffle_accuracy(runs):
     d = runs["shuffle_accuracy"]
     rows = common.read_csv(os.path.join(d, "shuffle_accuracy.csv"))
@@ -109,6 +112,7 @@ def test_shuffle_accuracy(runs):
     assert os.path.getsize(os.path.join(d, "fig4_shuffle_accuracy.png")) > 0
 
 
+@pytest.mark.slow  # every script's smoke preset run (shared fixture)
 def test_weight_divergence(runs):
     d = runs["weight_divergence"]
     results = _json(os.path.join(d, "weight_divergence.json"))["results"]
@@ -139,6 +143,7 @@ def test_weight_divergence(runs):
                                             "test_accuracy"}
 
 
+@pytest.mark.slow  # every script's smoke preset run (shared fixture)
 def test_alignment(runs):
     d = runs["alignment"]
     results = _json(os.path.join(d, "alignment.json"))["results"]
@@ -166,6 +171,7 @@ def test_alignment(runs):
         assert row["diff_mean"] == pytest.approx(np.mean(np.subtract(on, off)))
 
 
+@pytest.mark.slow  # every script's smoke preset run (shared fixture)
 def test_sharing_depth(runs):
     out = _json(os.path.join(runs["sharing_depth"], "sharing_depth.json"))
     tv = out["total_variance"]
@@ -180,6 +186,7 @@ def test_sharing_depth(runs):
     assert os.path.getsize(os.path.join(runs["sharing_depth"], "fig10_sharing_depth.png")) > 5000
 
 
+@pytest.mark.slow  # every script's smoke preset run (shared fixture)
 def test_fusion(runs):
     s = fusion.PRESETS["smoke"]
     rows = common.read_csv(os.path.join(runs["fusion"], "fusion.csv"))

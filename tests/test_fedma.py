@@ -131,6 +131,7 @@ def test_one_client_returns_its_model_up_to_the_posterior_shrinkage(clients):
                                local["head"]["kernel"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # FedMA rounds on VGG / several strategies
 def test_vgg_round_matches_convs_through_the_flatten():
     """A VGG9 round of two clients: every conv and FC layer matched (the conv-to-FC
     flatten patched), widths within bounds, and the grown network evaluates."""
@@ -154,6 +155,7 @@ def test_vgg_round_matches_convs_through_the_flatten():
     assert logits.shape == (10, 10) and np.all(np.isfinite(logits))
 
 
+@pytest.mark.slow  # FedMA rounds on VGG / several strategies
 def test_widths_bytes_and_strategies(clients):
     """Two rounds of 4 clients with retraining: each global width lies between the
     clients' width and their sum; bytes as counted by hand; loop and vmap agree."""
@@ -209,6 +211,7 @@ def _config(**overrides):
     return defaults.set_keys(c, overrides)
 
 
+@pytest.mark.slow  # FedMA rounds on VGG / several strategies
 def test_config_run_resumes_with_grown_widths(tmp_path):
     straight = tmp_path / "straight"
     experiment.train(_config(), str(straight), progress=False)

@@ -12,6 +12,7 @@ import shutil
 import sys
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from conftest import ROOT, needs_fmnist
@@ -45,6 +46,7 @@ def test_committed_notebook_has_no_outputs():
 
 
 @needs_fmnist
+@pytest.mark.slow  # runs the notebook in a kernel
 def test_quickstart_notebook_runs_and_learns(tmp_path, monkeypatch):
     jupyter_dir = tmp_path / "jupyter"
     monkeypatch.setenv("JUPYTER_PATH", str(jupyter_dir))

@@ -27,6 +27,7 @@ def _build(name, model):
     return registry.from_config(model, cfg, public=PUBLIC)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PERSONALISED)
 def test_personalised_algorithms_loop_vmap_and_reference_agree(name):
     cd, model, variables, _ = pfl_setup(norm="batch" if name == "fedbn" else "none")
