@@ -231,8 +231,9 @@ def test_naive_round_matches_engine_round(strategy, block_size):
     assert naive_lib.max_rel_diff(engine, other) > 1e-3
 
 
-@pytest.mark.parametrize("momentum", [0.0, 0.9])
-def test_fedjax_style_and_weighted_naive_rounds_match_engine_round(momentum):
+def _weighted_engine_round(momentum):
+    """(images, labels, model, variables, data, cohort, the chosen clients' rows, the
+    engine's global params after round 0 of FedAvg weighted by examples)."""
     images, labels, parts, model, variables, _ = _setup()
     algorithm = fedavg(model, client_optimizer(0.05, momentum, 0.0, None))
     data = ClientData.create(images, labels, parts)
@@ -244,6 +245,13 @@ def test_fedjax_style_and_weighted_naive_rounds_match_engine_round(momentum):
     cohort = sim.cohort(state, 0)
     engine = algorithm.eval_variables(sim.round(state)[0].server)["params"]
     chosen = [parts[i] for i in cohort.ids]
+    return images, labels, model, variables, data, cohort, chosen, engine
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_fedjax_style_and_weighted_naive_rounds_match_engine_round(momentum):
+    images, labels, model, variables, data, cohort, chosen, engine = \
+        _weighted_engine_round(momentum)
     order = naive_lib.engine_orders(cohort.data_keys, data.max_size)
 
     fj = fedjax_style.FedJaxStyleFedAvg(model, 0.05, momentum, BATCH, EPOCHS)
@@ -267,18 +275,8 @@ def test_fedjax_style_and_weighted_naive_rounds_match_engine_round(momentum):
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 def test_pytorch_style_round_matches_engine_round(momentum):
     pytest.importorskip("torch")  # the optional PyTorch baseline (make bench installs it)
-    from benchmarks import pytorch_style
-    images, labels, parts, model, variables, _ = _setup()
-    algorithm = fedavg(model, client_optimizer(0.05, momentum, 0.0, None))
-    data = ClientData.create(images, labels, parts)
-    work = LocalWork(BATCH, EPOCHS)
-    sim = Simulation(algorithm, data, work, make_executor("auto", algorithm, work, data,
-                                                          variables, 4),
-                     4 / len(SIZES), aggregation="num_examples", seed=3)
-    state = sim.init(variables)
-    cohort = sim.cohort(state, 0)
-    engine = algorithm.eval_variables(sim.round(state)[0].server)["params"]
-    chosen = [parts[i] for i in cohort.ids]
+    images, labels, _, variables, data, cohort, chosen, engine = \
+        _weighted_engine_round(momentum)
     torch_loop = pytorch_style.PyTorchStyleFedAvg(variables["params"], 0.05, momentum, BATCH,
                                                   EPOCHS)
     _, examples = torch_loop.round(images, labels, chosen, naive_lib.engine_orders(
