@@ -61,12 +61,9 @@ def apfl(model: nn.Module, client_tx: optax.GradientTransformation, learning_rat
 
     def client_step(local, batch, server):
         w = local.shared.params
-        count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
 
         def mixed_loss(m):
-            logits, _ = local_lib.forward(model, m, local.shared.model_state, batch,
-                                          train=True)
-            return local_lib.masked_cross_entropy(logits, batch["y"], batch["mask"]) / count
+            return local_lib.mean_loss(model, m, local.shared.model_state, batch)[0]
         g = jax.grad(mixed_loss)(_mix(local.alpha, local.personal, w))
         personal = jax.tree_util.tree_map(lambda v, gm: v - learning_rate * local.alpha * gm,
                                           local.personal, g)

@@ -60,9 +60,7 @@ def fedala(model: nn.Module, client_tx: optax.GradientTransformation, ala_share:
            ) -> FederatedAlgorithm:
     """FedALA over the top `layers` layers (by their order in the params tree), its ALA
     pass the first round(ala_share x local steps) steps; training warms up as FedAvg's."""
-    if not 0.0 < ala_share < 1.0:
-        raise ValueError(f"FedALA's share of local steps for ALA must lie in (0, 1), got "
-                         f"{ala_share}")
+    local_lib.check_share(ala_share, "FedALA's share of local steps for ALA")
     base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length)
 
     def top_names(params):
@@ -72,8 +70,10 @@ def fedala(model: nn.Module, client_tx: optax.GradientTransformation, ala_share:
                              f"(layers {names}), got {layers}")
         return names[-layers:]
 
-    def mix(own, glob, weights):
-        return tree_map(lambda o, g, w: o + (g - o) * w, own, glob, weights)
+    def adapted(own, glob, weights, trained):
+        """own + (glob - own) * W, or glob for a client that has never trained."""
+        return tree_map(lambda o, g, w: jnp.where(trained > 0, o + (g - o) * w, g),
+                        own, glob, weights)
 
     def client_state_init(server):
         top = _top(server.params, top_names(server.params))
@@ -84,37 +84,28 @@ def fedala(model: nn.Module, client_tx: optax.GradientTransformation, ala_share:
         names = top_names(server.params)
         own, glob = _top(client_state["params"], names), _top(server.params, names)
         trained = client_state["trained"]
-        # Untrained: theta = the global model (W untouched).
-        start = tree_map(lambda m, g: jnp.where(trained > 0, m, g),
-                         mix(own, glob, client_state["weights"]), glob)
+        start = adapted(own, glob, client_state["weights"], trained)
         local = base.client_init(server, None, ctx)
         local = local._replace(params={**server.params, **start})
-        steps = jnp.asarray(ctx.num_steps, jnp.float32)
         return AlaLocal(local, own, glob, client_state["weights"],
-                        jnp.round(ala_share * steps).astype(jnp.int32), trained)
+                        local_lib.phase_steps(ala_share, ctx.num_steps), trained)
 
     def ala_step(local, batch, server):
         del server
-        names = list(local.glob)
-        count = jnp.sum(batch["mask"])
-
         def loss(top):
-            params = {**local.train.params, **top}
-            logits, _ = local_lib.forward(model, params, local.train.model_state, batch,
-                                          train=True)
-            loss_sum = local_lib.masked_cross_entropy(logits, batch["y"], batch["mask"])
-            return loss_sum / jnp.maximum(count, 1.0), loss_sum
-        g, loss_sum = jax.grad(loss, has_aux=True)(_top(local.train.params, names))
+            mean, (loss_sum, _, _) = local_lib.mean_loss(
+                model, {**local.train.params, **top}, local.train.model_state, batch)
+            return mean, loss_sum
+        g, loss_sum = jax.grad(loss, has_aux=True)(_top(local.train.params, list(local.glob)))
         weights = tree_map(lambda w, gt, o, gl: jnp.clip(w - eta * gt * (gl - o), 0.0, 1.0),
                            local.weights, g, local.own, local.glob)
         weights = tree_map(lambda new, old: jnp.where(local.trained > 0, new, old), weights,
                            local.weights)
-        theta = tree_map(lambda m, gl: jnp.where(local.trained > 0, m, gl),
-                         mix(local.own, local.glob, weights), local.glob)
+        theta = adapted(local.own, local.glob, weights, local.trained)
         train = local.train._replace(params={**local.train.params, **theta})
         # The ALA pass is not training: its steps count apart (warm-up counts from 0).
         return (local._replace(train=train, weights=weights, ala_steps=local.ala_steps - 1),
-                {"loss_sum": loss_sum, "num_examples": count})
+                {"loss_sum": loss_sum, "num_examples": jnp.sum(batch["mask"])})
 
     def train_step(local, batch, server):
         train, metrics = base.client_step(local.train, batch, server)
@@ -131,8 +122,7 @@ def fedala(model: nn.Module, client_tx: optax.GradientTransformation, ala_share:
     def personal_variables(server, client_state):
         names = top_names(server.params)
         own, glob = _top(client_state["params"], names), _top(server.params, names)
-        top = tree_map(lambda m, g: jnp.where(client_state["trained"] > 0, m, g),
-                       mix(own, glob, client_state["weights"]), glob)
+        top = adapted(own, glob, client_state["weights"], client_state["trained"])
         return {"params": {**server.params, **top}, **server.model_state}
 
     return base._replace(client_state_init=client_state_init, client_init=client_init,
@@ -142,12 +132,9 @@ def fedala(model: nn.Module, client_tx: optax.GradientTransformation, ala_share:
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    epochs, ala = cfg.local.epochs, cfg.fedala.ala_epochs
-    if not 0 < ala < epochs:
-        raise ValueError(f"fedala.ala_epochs must lie strictly between 0 and local.epochs "
-                         f"({epochs:g}): ALA's pass is part of the round's local work, got "
-                         f"{ala:g}")
-    return fedala(model, client_tx, ala / epochs, server_tx, layers=cfg.fedala.layers,
+    share = local_lib.share_of_steps(cfg.fedala.ala_epochs, cfg.local.epochs,
+                                     "fedala.ala_epochs", "ALA's pass is")
+    return fedala(model, client_tx, share, server_tx, layers=cfg.fedala.layers,
                   eta=cfg.fedala.eta, warmup=cfg.optimizer.warmup,
                   warmup_length=cfg.optimizer.warmup_length)
 

@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
@@ -40,9 +39,7 @@ def fedrep(model: nn.Module, client_tx: optax.GradientTransformation, head_share
            warmup: str = "none", warmup_length: int = 0) -> FederatedAlgorithm:
     """FedRep with the head trained for round(head_share x local steps) steps, then the
     body; the learning rate warms up as FedAvg's `warmup` does."""
-    if not 0.0 < head_share < 1.0:
-        raise ValueError(f"FedRep's head share of the local steps must lie in (0, 1), "
-                         f"got {head_share}")
+    local_lib.check_share(head_share, "FedRep's head share of the local steps")
     is_head = personal.PERSONAL["fedper"]
     base = personal.partial_sharing(model, client_tx, is_head, server_tx, warmup=warmup,
                                     warmup_length=warmup_length)
@@ -50,12 +47,11 @@ def fedrep(model: nn.Module, client_tx: optax.GradientTransformation, head_share
     def client_init(server, client_state, ctx):
         full = base.client_init(server, client_state, ctx)
         body, head = personal.split_params(full.params, is_head)
-        steps = jnp.asarray(ctx.num_steps, jnp.float32)
         return RepLocal(
             local_lib.LocalState(body, full.model_state, client_tx.init(body), full.step,
                                  full.lr_scale),
             local_lib.LocalState(head, {}, client_tx.init(head), full.step, full.lr_scale),
-            jnp.round(head_share * steps).astype(jnp.int32))
+            local_lib.phase_steps(head_share, ctx.num_steps))
 
     def head_step(local, batch):
         trained = local.head._replace(model_state=local.body.model_state)
@@ -87,12 +83,9 @@ def fedrep(model: nn.Module, client_tx: optax.GradientTransformation, head_share
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    epochs, head = cfg.local.epochs, cfg.fedrep.head_epochs
-    if not 0 < head < epochs:
-        raise ValueError(f"fedrep.head_epochs must lie strictly between 0 and local.epochs "
-                         f"({epochs:g}): the head's epochs are part of the round's local work, "
-                         f"got {head:g}")
-    return fedrep(model, client_tx, head / epochs, server_tx, warmup=cfg.optimizer.warmup,
+    share = local_lib.share_of_steps(cfg.fedrep.head_epochs, cfg.local.epochs,
+                                     "fedrep.head_epochs", "the head's epochs are")
+    return fedrep(model, client_tx, share, server_tx, warmup=cfg.optimizer.warmup,
                   warmup_length=cfg.optimizer.warmup_length)
 
 

@@ -65,11 +65,14 @@ def soft_predictions(logits: jax.Array, temperature: float) -> jax.Array:
     return jax.nn.softmax(logits / temperature, axis=-1)
 
 
+def kl_rows(target: jax.Array, probs: jax.Array) -> jax.Array:
+    """KL(target || probs) of each row, summed over the last (class) axis."""
+    return jnp.sum(target * (jnp.log(target + EPS) - jnp.log(probs + EPS)), axis=-1)
+
+
 def kl(target: jax.Array, probs: jax.Array) -> jax.Array:
-    """KL(target || probs) summed over classes, averaged over the leading axes' rows."""
-    t = target.reshape(-1, target.shape[-1])
-    p = probs.reshape(-1, probs.shape[-1])
-    return jnp.mean(jnp.sum(t * (jnp.log(t + EPS) - jnp.log(p + EPS)), axis=-1))
+    """KL(target || probs) averaged over every row."""
+    return jnp.mean(kl_rows(target, probs))
 
 
 def targets(coef: jax.Array, soft: jax.Array) -> jax.Array:
@@ -100,9 +103,7 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
           warmup: str = "none", warmup_length: int = 0) -> FederatedAlgorithm:
     """KT-pFL for `num_clients` clients of one architecture distilling on `public`
     (normalised images); the last round(distill_share x steps) local steps distil."""
-    if not 0.0 < distill_share < 1.0:
-        raise ValueError(f"KT-pFL's share of local steps for distillation must lie in (0, 1), "
-                         f"got {distill_share}")
+    local_lib.check_share(distill_share, "KT-pFL's share of local steps for distillation")
     public = jnp.asarray(public, jnp.float32)
     n_pub = public.shape[0]
 
@@ -130,9 +131,9 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
         lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
         train = local_lib.init_local(client_tx, client_state, lr_scale)
         target = jnp.einsum("m,mpc->pc", server.coef[:, ctx.client_id], server.soft)
-        steps = jnp.asarray(ctx.num_steps, jnp.int32)
-        distill = jnp.round(distill_share * steps.astype(jnp.float32)).astype(jnp.int32)
-        return KtLocal(train, target, jax.random.fold_in(ctx.rng, 0x4B), steps - distill,
+        distill_from = (jnp.asarray(ctx.num_steps, jnp.int32)
+                        - local_lib.phase_steps(distill_share, ctx.num_steps))
+        return KtLocal(train, target, jax.random.fold_in(ctx.rng, 0x4B), distill_from,
                        jnp.asarray(ctx.num_examples, jnp.float32))
 
     def train_step(local, batch):
@@ -147,8 +148,7 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
 
         def loss(logits, labels, mask):
             del labels
-            probs = soft_predictions(logits, temperature)
-            per_row = jnp.sum(target * (jnp.log(target + EPS) - jnp.log(probs + EPS)), -1)
+            per_row = kl_rows(target, soft_predictions(logits, temperature))
             return temperature ** 2 * jnp.sum(per_row * mask)
         public_batch = {"x": public[rows], "y": batch["y"], "mask": jnp.ones_like(batch["mask"])}
         train, _ = local_lib.sgd_step(model, client_tx, local.train, public_batch, warmup,
@@ -191,13 +191,10 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation, *, public: Any) -> FederatedAlgorithm:
     del server_tx  # nothing is averaged
-    epochs, distill = cfg.local.epochs, cfg.ktpfl.distill_epochs
-    if not 0 < distill < epochs:
-        raise ValueError(f"ktpfl.distill_epochs must lie strictly between 0 and local.epochs "
-                         f"({epochs:g}): distillation is part of the round's local work, got "
-                         f"{distill:g}")
+    share = local_lib.share_of_steps(cfg.ktpfl.distill_epochs, cfg.local.epochs,
+                                     "ktpfl.distill_epochs", "distillation is")
     o = cfg.ktpfl
-    return ktpfl(model, client_tx, public, cfg.partition.num_clients, distill / epochs,
+    return ktpfl(model, client_tx, public, cfg.partition.num_clients, share,
                  temperature=o.temperature, lam=o.lam, rho=o.rho, coef_lr=o.coef_lr,
                  eval_batch=cfg.eval.batch_size, warmup=cfg.optimizer.warmup,
                  warmup_length=cfg.optimizer.warmup_length)

@@ -83,6 +83,37 @@ def forward(model: nn.Module, params: PyTree, model_state: Dict[str, PyTree],
     return model.apply(variables, batch["x"], train=train, mask=batch["mask"]), model_state
 
 
+def mean_loss(model: nn.Module, params: PyTree, model_state: Dict[str, PyTree],
+              batch: Dict[str, jax.Array], loss: "LossSum" = masked_cross_entropy
+              ) -> Tuple[jax.Array, Tuple[jax.Array, Dict[str, PyTree], jax.Array]]:
+    """(the mean of `loss` over the batch's real examples, (its sum, the updated
+    non-trainable collections, the outputs)) of a training-mode forward pass: what local
+    steps differentiate."""
+    outputs, new_state = forward(model, params, model_state, batch, train=True)
+    loss_sum = loss(outputs, batch["y"], batch["mask"])
+    return loss_sum / jnp.maximum(jnp.sum(batch["mask"]), 1.0), (loss_sum, new_state, outputs)
+
+
+def share_of_steps(part_epochs: float, epochs: float, option: str, what: str) -> float:
+    """part_epochs / epochs for an algorithm whose round spends `option` (part_epochs) of
+    its `local.epochs` on a phase of its own; ValueError unless 0 < part_epochs < epochs."""
+    if not 0 < part_epochs < epochs:
+        raise ValueError(f"{option} must lie strictly between 0 and local.epochs "
+                         f"({epochs:g}): {what} part of the round's local work, got "
+                         f"{part_epochs:g}")
+    return part_epochs / epochs
+
+
+def check_share(share: float, what: str) -> None:
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"{what} must lie in (0, 1), got {share}")
+
+
+def phase_steps(share: float, num_steps: jax.Array) -> jax.Array:
+    """round(share x num_steps): the local steps a phase taking `share` of them gets."""
+    return jnp.round(share * jnp.asarray(num_steps, jnp.float32)).astype(jnp.int32)
+
+
 # extra_loss(params, local_state, batch, logits) -> (term added to the mean loss, metrics):
 # the metrics are sums the algorithm reports (see algorithms.core).
 ExtraLoss = Callable[[PyTree, LocalState, Dict[str, jax.Array], jax.Array],
@@ -101,13 +132,10 @@ def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalSta
     `full_params(local.params)` -> the model's parameters, when `local` trains only part of
     them (the rest held fixed inside `full_params`).
     """
-    count = jnp.sum(batch["mask"])
-
     def loss_fn(params):
         model_params = params if full_params is None else full_params(params)
-        logits, new_state = forward(model, model_params, local.model_state, batch, train=True)
-        loss_sum = loss(logits, batch["y"], batch["mask"])
-        objective = loss_sum / jnp.maximum(count, 1.0)
+        objective, (loss_sum, new_state, logits) = mean_loss(model, model_params,
+                                                             local.model_state, batch, loss)
         extra_metrics = {}
         if extra_loss is not None:
             term, extra_metrics = extra_loss(params, local, batch, logits)
@@ -123,7 +151,8 @@ def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalSta
                                                     warmup_length))
     params = optax.apply_updates(local.params, updates)
     new_local = LocalState(params, new_state, opt_state, local.step + 1, local.lr_scale)
-    return new_local, {"loss_sum": loss_sum, "num_examples": count, **extra_metrics}
+    return new_local, {"loss_sum": loss_sum, "num_examples": jnp.sum(batch["mask"]),
+                       **extra_metrics}
 
 
 def step_scale(step: jax.Array, lr_scale: jax.Array, warmup: str, length: int) -> jax.Array:

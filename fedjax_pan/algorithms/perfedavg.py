@@ -76,12 +76,11 @@ def perfedavg(model: nn.Module, alpha: float,
     base = fedavg(model, optax.sgd(alpha), server_tx, warmup=warmup,
                   warmup_length=warmup_length)
 
-    def mean_loss(params, model_state, batch):
-        logits, new_state = local_lib.forward(model, params, model_state, batch, train=True)
-        loss_sum = loss(logits, batch["y"], batch["mask"])
-        return loss_sum / jnp.maximum(jnp.sum(batch["mask"]), 1.0), (loss_sum, new_state)
-
-    grad = jax.grad(mean_loss, has_aux=True)
+    def grad(params, model_state, batch):
+        """(grad of the mean loss, (its sum, the updated non-trainable state))."""
+        g, (loss_sum, new_state, _) = jax.grad(local_lib.mean_loss, argnums=1, has_aux=True)(
+            model, params, model_state, batch, loss)
+        return g, (loss_sum, new_state)
 
     def client_init(server, client_state, ctx):
         del client_state, ctx

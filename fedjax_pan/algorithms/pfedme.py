@@ -68,14 +68,11 @@ def pfedme(model: nn.Module, learning_rate: float,
         del server
         count = jnp.sum(batch["mask"])
 
-        def mean_loss(theta, model_state):
-            logits, new_state = local_lib.forward(model, theta, model_state, batch, train=True)
-            loss_sum = loss(logits, batch["y"], batch["mask"])
-            return loss_sum / jnp.maximum(count, 1.0), (loss_sum, new_state)
-
         theta, model_state, first_loss = local.theta, local.model_state, None
         for _ in range(inner_steps):  # a handful: unrolled
-            g, (loss_sum, model_state) = jax.grad(mean_loss, has_aux=True)(theta, model_state)
+            g, (loss_sum, model_state, _) = jax.grad(local_lib.mean_loss, argnums=1,
+                                                     has_aux=True)(model, theta, model_state,
+                                                                   batch, loss)
             first_loss = loss_sum if first_loss is None else first_loss
             theta = tree_map(lambda t, gt, w: t - personal_lr * (gt + lam * (t - w) + mu * t),
                              theta, g, local.w)

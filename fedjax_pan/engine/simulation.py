@@ -79,6 +79,10 @@ class Simulation:
         self._server_update = jax.jit(self._aggregate_and_update)
         self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
             lambda a, n: a.at[ids].set(n), all_, new), donate_argnums=(0,))
+        adapt = getattr(self.algorithm, "personal_adapt", None)
+        # Every client's model adapted on its batch; a stateless algorithm's None maps over
+        # nothing, so the batches set the client axis.
+        self._adapt = None if adapt is None else jax.jit(jax.vmap(adapt, in_axes=(None, 0, 0)))
 
     def init(self, variables: PyTree) -> SimState:
         server = self.algorithm.server_init(variables)
@@ -111,9 +115,9 @@ class Simulation:
     def personal_evaluation(self, state: SimState) -> Optional[PyTree]:
         """Every client's own model, stacked on a leading client axis (K, ...), or None
         when the algorithm evaluates its global model on each client's data."""
-        adapt = getattr(self.algorithm, "personal_adapt", None)
-        if adapt is not None:
-            return self._adapted(state.server, state.client_states, state.round)
+        if self._adapt is not None:
+            return self._adapt(state.server, state.client_states,
+                               self.adaptation_batches(state.round))
         personal = getattr(self.algorithm, "personal_variables", None)
         if personal is None or state.client_states is None:
             return None
@@ -129,13 +133,6 @@ class Simulation:
         return jax.vmap(lambda row, n, key: step_batch(
             self.data.images, self.data.labels, row, n, key, 0, b))(
             self.data.index_table, jnp.asarray(self.data.sizes, jnp.int32), keys)
-
-    def _adapted(self, server: PyTree, client_states: PyTree, round_index: int) -> PyTree:
-        if not hasattr(self, "_adapt"):
-            self._adapt = jax.jit(jax.vmap(self.algorithm.personal_adapt,
-                                           in_axes=(None, 0, 0)))
-        # A stateless algorithm's None maps over nothing: the batches set the client axis.
-        return self._adapt(server, client_states, self.adaptation_batches(round_index))
 
     def cohort(self, state: SimState, round_index: int) -> Cohort:
         ids = self.sample(round_index)
