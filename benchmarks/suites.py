@@ -755,6 +755,15 @@ def profile_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
     return {"batch_size": settings.batch_size, "rows": rows}
 
 
+def _own_driver(entry: Any, model: Any, cfg: Any, client_tx: Any, w: "Workload") -> Any:
+    """The algorithm's own driver for `cfg` (FedMA's), or None where `cfg` runs as one
+    compiled round (every algorithm without a driver; KT-pFL with one architecture)."""
+    if entry.driver is None:
+        return None
+    public = {"public": w.data.images[:500]} if entry.public else {}
+    return entry.driver(model, cfg, client_tx, w.data, w.work, **public)
+
+
 def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
     """The MLP bench round (training and aggregation, no evaluation) per registered
     algorithm with its default options, relative to FedAvg; the memory each keeps per
@@ -772,19 +781,18 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
     reps = 1 if settings.quick else settings.reps
     out: Dict[str, Any] = {}
     for name, entry in registry.ALGORITHMS.items():
-        if entry.driver is not None:  # its own rounds and network: `driver_rows` below
-            continue
         with cfg.unlocked():
             cfg.algorithm, cfg.optimizer.warmup = name, "none"
             cfg.optimizer.lr = settings.learning_rate
+            cfg.partition.num_clients = w.data.num_clients
+        if _own_driver(entry, w.model, cfg, client_tx, w) is not None:
+            continue  # its own rounds and network: `driver_rows` below
         model, variables = w.model, w.variables
         if name == "fed2":  # needs a grouped network: the bench MLP, last 3 layers in 10 groups
             model = w.model.clone(grouped=GroupedConfig(groups=10, depth=3))
             variables = models.init(model, jax.random.PRNGKey(settings.seed),
                                     tuple(w.data.images.shape[1:]))
         if entry.public:  # KT-pFL distils on public data: the first 500 examples here
-            with cfg.unlocked():
-                cfg.partition.num_clients = w.data.num_clients
             algorithm = entry.build(model, cfg, client_tx, server_tx,
                                     public=w.data.images[:500])
         else:
@@ -844,12 +852,12 @@ def driver_rows(settings: Settings, w: Workload, cfg: Any, strategy: str,
                   "download_mib": m_per * model_bytes / 2**20}
     out = {}
     for name, entry in registry.ALGORITHMS.items():
-        if entry.driver is None:
-            continue
         with cfg.unlocked():
             cfg.algorithm, cfg.participation = name, m_per / w.data.num_clients
             cfg.execution.strategy = strategy
-        driver = entry.driver(model, cfg, client_tx, w.data, w.work)
+        driver = _own_driver(entry, model, cfg, client_tx, w)
+        if driver is None:
+            continue
         m = time_engine(driver, variables, None, settings.warmup, reps, settings.slow_round_s)
         stats = m.last_stats
         rec = {"seconds_per_round": float(np.median(m.train_s)), "reps": len(m.train_s),

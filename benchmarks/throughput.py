@@ -125,9 +125,10 @@ def build(s: ThroughputSettings, images: np.ndarray, labels: np.ndarray,
                  models.count_params(variables))
 
 
-def simulation(s: ThroughputSettings, setup: Setup, strategy: str) -> Simulation:
+def simulation(s: ThroughputSettings, setup: Setup, strategy: str,
+               workers: Optional[int] = None) -> Simulation:
     executor = make_executor(strategy, setup.algorithm, setup.work, setup.data,
-                             setup.variables, s.per_round)
+                             setup.variables, s.per_round, workers=workers)
     return Simulation(setup.algorithm, setup.data, setup.work, executor,
                       s.per_round / s.num_clients, aggregation="num_examples", seed=s.seed)
 
@@ -190,6 +191,10 @@ def throughput_section(s: ThroughputSettings, ceiling: float, log: Log) -> Dict[
     auto = resolve_strategy("auto", setup.variables)
     sims = {f"{k} (auto)" if k == auto else k: simulation(s, setup, k)
             for k in dict.fromkeys([auto, "loop"])}
+    if getattr(sims[f"{auto} (auto)"].executor, "workers", 1) > 1:
+        # The same executor with its lone clients one at a time: what running two side by
+        # side gains.
+        sims[f"{auto}, one client at a time"] = simulation(s, setup, auto, workers=1)
     configs = {k: _engine_config(sim, setup.variables) for k, sim in sims.items()}
     sim = next(iter(sims.values()))
     configs["fedjax-style loop"] = _host_config(s, setup, sim, FedJaxStyleFedAvg(

@@ -1,12 +1,14 @@
 """Personalised FL (paper 001's setting): each client scored on its own test data.
 
-Fashion-MNIST, the paper's MLP, every client's data split 75/25 into its own train and test
+Fashion-MNIST, an MLP (the preset's), every client's data split 75/25 into its own train and test
 parts (PFLlib's `partition.test_fraction` 0.25), two label skews (PFLlib's `pat`:
 pathological, 2 classes per client; `dir`: Dirichlet 0.1 by class) and two federation
 sizes, K = 20 (PFLlib's default, all clients every round) and K = 100 (10% per round).
 Algorithms: FedAvg (its global model on each client's data) and the personalised ones the
 library has, each evaluating its own per-client model: Local, FedPer, LG-FedAvg, Ditto,
-APFL, FedRep, Per-FedAvg (first order), pFedMe, FedRoD, FedALA, KT-pFL (FedBN needs
+APFL, FedRep, Per-FedAvg (first order), pFedMe, FedRoD, FedALA, KT-pFL, and KT-pFL over
+clients of three architectures (`ktpfl_mixed`: client n runs the n mod 3-th of the
+preset's `mixed` networks, two MLPs and a small CNN, at lr 0.01) (FedBN needs
 normalisation layers, which this MLP has none of: it would be FedAvg). SGD lr 0.05 momentum 0.9 at a
 constant learning rate (PFLlib has no warm-up); as PFLlib, FedRep trains its head one
 epoch and then its body E epochs, FedALA makes its ALA pass over 80% of the data before
@@ -23,8 +25,10 @@ worst 10% of clients, the global model's accuracy on the global test set, and it
 time (the median over rounds after the first) relative to FedAvg's in the same setting.
 
 Presets:
-  cpu     20 rounds of E = 1, seed 0: about an hour on 2 CPU cores
-  paper   PFLlib's length, 2000 rounds of E = 1, seeds 0-2 (an accelerator's work)
+  cpu     20 rounds of E = 1, seed 0, McMahan et al.'s 2NN (784-200-200-10): about an
+          hour on 2 CPU cores (--seeds 0 1 doubles it)
+  paper   PFLlib's length, 2000 rounds of E = 1, seeds 0-2, the PAN paper's MLP
+          (an accelerator's work)
   default the cpu preset
   smoke   synthetic data, a 16-wide MLP, K = 6, 2 rounds, two algorithms, one skew
 Outputs: personalized_runs.csv, personalized.csv (mean / std over seeds per setting and
@@ -44,7 +48,7 @@ import numpy as np
 from experiments import common
 
 ALGORITHMS = ("fedavg", "local", "fedper", "lg_fedavg", "ditto", "apfl", "fedrep",
-              "perfedavg", "pfedme", "fedrod", "fedala", "ktpfl")
+              "perfedavg", "pfedme", "fedrod", "fedala", "ktpfl", "ktpfl_mixed")
 PUBLIC_SIZE = 1000  # KT-pFL's unlabelled public set, held out of the training set
 # name -> partition overrides
 SKEWS: Dict[str, Dict[str, Any]] = {
@@ -52,6 +56,16 @@ SKEWS: Dict[str, Dict[str, Any]] = {
     "dir": {"scheme": "dirichlet_by_class", "alpha": 0.1},
 }
 FEDERATIONS = {20: 1.0, 100: 0.1}  # K -> participation R
+# The cpu preset's MLP: McMahan et al.'s "2NN" (two hidden layers of 200), 15x fewer
+# multiply-adds than the PAN paper's 1024 x 3, so the 52 runs fit about an hour.
+CPU_HIDDEN = (200, 200)
+# ktpfl_mixed's networks (`config.ktpfl.architectures`): the cpu preset's 2NN, a narrower
+# one-layer MLP and a small 3x3 CNN; the paper preset's, the PAN MLP, a one-layer MLP and
+# McMahan et al.'s CNN.
+CPU_MIXED = "mlp(hidden=(200, 200)); mlp(hidden=(100,)); cnn(channels=(8, 16), kernel=3, " \
+            "fc_hidden=(64,))"  # the CNN: 7.6 ms a step of B = 64 on 2 cores (16-32-128: 25)
+PAPER_MIXED = "mlp; mlp(hidden=(512,)); cnn"
+MIXED_LR = 0.01  # ktpfl_mixed's learning rate (the others': 0.05)
 LAST = 3  # evaluations averaged per run
 METRICS = ("pfl_accuracy", "client_accuracy_mean", "client_accuracy_std",
            "client_accuracy_worst10", "test_accuracy")
@@ -68,11 +82,12 @@ class Settings:
     test_fraction: float = 0.25
     dataset: str = "fashion_mnist"
     hidden: Optional[Tuple[int, ...]] = None  # None: the paper's 1024 x 3
+    mixed: str = PAPER_MIXED  # ktpfl_mixed's architectures
 
 
 PRESETS = MappingProxyType({
-    "cpu": Settings(),
-    "default": Settings(),
+    "cpu": Settings(hidden=CPU_HIDDEN, mixed=CPU_MIXED),
+    "default": Settings(hidden=CPU_HIDDEN, mixed=CPU_MIXED),
     "paper": Settings(rounds=2000, seeds=(0, 1, 2)),
     "smoke": Settings(rounds=2, algorithms=("fedavg", "fedper"), skews=("pat",),
                       clients=(6,), dataset="synthetic", hidden=(16, 16, 16)),
@@ -89,6 +104,8 @@ def run_config(s: Settings, skew: str, k: int, algorithm: str, seed: int):
     from fedjax_pan.experiment import apply_overrides
 
     cfg = default_config()
+    mixed = algorithm == "ktpfl_mixed"
+    algorithm = "ktpfl" if mixed else algorithm
     cfg.seed, cfg.rounds, cfg.algorithm = seed, s.rounds, algorithm
     cfg.dataset.name = s.dataset
     cfg.local.epochs = float(s.epochs)
@@ -110,6 +127,11 @@ def run_config(s: Settings, skew: str, k: int, algorithm: str, seed: int):
         cfg.dataset.public_size = PUBLIC_SIZE
         cfg.ktpfl.distill_epochs = 1.0
         cfg.local.epochs = float(s.epochs) + 1.0
+        if mixed:
+            cfg.ktpfl.architectures = s.mixed
+            # At lr 0.05 the mixed federation's weights grew (max |w| 19 in the 2NN, 42 in
+            # the CNN) until its training loss hit 1096 in round 7 (pat, K = 20).
+            cfg.optimizer.lr = MIXED_LR
     if algorithm == "perfedavg":  # each step halves a batch of 2B
         cfg.local.batch_size = 2 * cfg.local.batch_size
     return apply_overrides(cfg, {"partition": SKEWS[skew]})

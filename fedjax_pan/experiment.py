@@ -210,22 +210,23 @@ def build(cfg: ml_collections.ConfigDict,
                                                           test_parts, cfg.eval.batch_size),
                  "test_indices": test_parts}
     strategy = resolve_strategy(cfg.execution.strategy, variables)
-    driver = algorithms.ALGORITHMS[cfg.algorithm].driver
-    if driver is not None:  # rounds run by the algorithm's own driver (e.g. FedMA)
-        _check(cfg.shuffle.n_sf == 0, f"config.shuffle.n_sf > 0 (Alg. 2) is not available "
-               f"with algorithm {cfg.algorithm!r}: set shuffle.n_sf=0")
-        try:
-            simulation = driver(model, cfg, algorithms.registry.client_tx(cfg), client_data,
-                                work)
-        except ValueError as e:
-            raise ConfigError(f"config.{cfg.algorithm}: {e}") from None
-        return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy,
-                          **local)
+    entry = algorithms.ALGORITHMS[cfg.algorithm]
+    public = train_x[public_rows] if len(public_rows) else None
     try:
-        algorithm = algorithms.from_config(
-            model, cfg, public=train_x[public_rows] if len(public_rows) else None)
+        # Rounds run by the algorithm's own driver (FedMA; KT-pFL over several
+        # architectures), where it gives one for this config.
+        simulation = None if entry.driver is None else entry.driver(
+            model, cfg, algorithms.registry.client_tx(cfg), client_data, work,
+            **({"public": public} if entry.public else {}))
+        algorithm = None if simulation is not None else algorithms.from_config(
+            model, cfg, public=public)
     except ValueError as e:
         raise ConfigError(f"config.{cfg.algorithm}: {e}") from None
+    if simulation is not None:
+        _check(cfg.shuffle.n_sf == 0, f"config.shuffle.n_sf > 0 (Alg. 2) is not available "
+               f"with algorithm {cfg.algorithm!r} as configured: set shuffle.n_sf=0")
+        return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy,
+                          **local)
     if cfg.shuffle.n_sf > 0:
         _check_shuffleable(algorithm, variables, ds.num_classes, cfg.algorithm)
         spec = permutation.spec_for(model, variables)
@@ -427,10 +428,21 @@ def evaluate_clients(exp: Experiment, state: SimState, net: Any, global_variable
                      ) -> Dict[str, float]:
     """Each client's own model (or the global one) on its own test part: the PFLlib
     aggregate and the spread over clients (`engine.evaluation.client_metrics`)."""
+    groups = getattr(exp.simulation, "personal_groups", None)
+    if groups is not None:  # clients of several networks: each group on its own network
+        correct = count = 0.0
+        for group_net, ids, stacked in groups(state):
+            # Vmapped like training, except where training loops (CPU convnets).
+            one = jax.tree_util.tree_map(lambda x: x[0], stacked)
+            looped = resolve_strategy(exp.config.execution.strategy, one) == "loop"
+            part = exp.client_evaluate(stacked, personal=True, vmapped=not looped,
+                                       net=group_net, clients=ids)
+            correct, count = correct + part["correct"], count + part["count"]
+        return client_metrics(correct, count)
     personal = getattr(exp.simulation, "personal_evaluation", lambda s: None)(state)
     if personal is None:
         counts = exp.client_evaluate(global_variables, net=net)
-    else:  # vmapped like training, except where training loops (CPU convnets)
+    else:
         counts = exp.client_evaluate(personal, personal=True, vmapped=exp.strategy != "loop")
     return client_metrics(counts["correct"], counts["count"])
 

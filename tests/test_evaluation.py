@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 
 from fedjax_pan import data, models
 from fedjax_pan.engine import make_evaluator
@@ -64,6 +65,25 @@ def test_client_evaluator_global_and_personal_models_against_numpy():
         np.testing.assert_allclose(got["loss_sum"], want[2], rtol=1e-5)
     assert not np.allclose(want[0], _numpy_client_counts(
         model, lambda j: own[0], ds.test_images, ds.test_labels, parts)[0])
+    # Clients of two networks, each group on its own: the groups' counts add up to the
+    # whole, and each client is scored by the network its models belong to.
+    wide = models.build("mlp", 10, hidden=[12])
+    own_wide = {j: models.init(wide, jax.random.PRNGKey(10 + j), (4, 4, 1)) for j in (0, 3)}
+    want = _numpy_client_counts(
+        model, lambda j: own[j], ds.test_images, ds.test_labels, parts)
+    want_wide = _numpy_client_counts(
+        wide, lambda j: own_wide.get(j, own_wide[0]), ds.test_images, ds.test_labels, parts)
+    for vmapped in (False, True):
+        a = evaluate(jax.tree_util.tree_map(lambda *x: np.stack(x), own_wide[0], own_wide[3]),
+                     personal=True, vmapped=vmapped, net=wide, clients=[0, 3])
+        b = evaluate(jax.tree_util.tree_map(lambda x: x[1:3], stacked), personal=True,
+                     vmapped=vmapped, clients=[1, 2])
+        np.testing.assert_array_equal(a["count"], [7, 0, 0, 50])
+        np.testing.assert_array_equal(a["count"] + b["count"], [7, 0, 33, 50])
+        np.testing.assert_allclose(a["correct"] + b["correct"],
+                                   [want_wide[0][0], 0, want[0][2], want_wide[0][3]])
+    with pytest.raises(ValueError, match="personal=True"):
+        evaluate(own[0], clients=[0])
 
 
 def test_client_metrics_by_hand():

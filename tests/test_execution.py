@@ -22,8 +22,10 @@ SIZES = [27, 39, 19, 36, 62, 13]
 WORK = LocalWork(batch_size=8, epochs=1.5)
 
 
-def _run(strategy, algo, cd, variables, rounds=2, block_size=None, weights="num_examples"):
-    ex = make_executor(strategy, algo, WORK, cd, variables, 3, block_size=block_size)
+def _run(strategy, algo, cd, variables, rounds=2, block_size=None, weights="num_examples",
+         workers=None):
+    ex = make_executor(strategy, algo, WORK, cd, variables, 3, block_size=block_size,
+                       workers=workers)
     sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation=weights, seed=7)
     state, losses = sim.init(variables), []
     for _ in range(rounds):
@@ -49,6 +51,7 @@ def test_strategies_match_the_sequential_reference(norm):
     _, variables, algo = tiny_fedavg(norm=norm, pan=PANConfig("mul", 1.0, 0.2))
     runs = {f"{s}/{g}": _run(s, algo, cd, variables, block_size=g)
             for s, g in [("loop", None), ("vmap", 1), ("vmap", 2), ("vmap", 3)]}
+    runs["vmap/1 one at a time"] = _run("vmap", algo, cd, variables, block_size=1, workers=1)
     sim = runs["loop/None"][0]
     ref_state, ref_losses = _reference(sim, algo, cd, variables)
     for name, (_, state, losses) in runs.items():
@@ -132,6 +135,37 @@ def test_lone_clients_compute_short_last_batches_on_fewer_rows():
         assert stats["real_examples"] == total - 4, strategy
     vmap2 = make_executor("vmap", algo, WORK, cd, variables, 6, block_size=2)
     assert vmap2.computed_examples(cd.sizes, steps) > total  # lockstep blocks pad
+
+
+def test_lone_clients_side_by_side_give_the_sequential_numbers():
+    """workers=2 keeps two lone clients in flight at once and adds their sums in cohort
+    order: the server, the metrics and every client's state equal one client at a time,
+    for a streamed mean, a stacked rule and per-client states."""
+    from fedjax_pan.algorithms import median
+    import test_scaffold as sc
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg(norm="batch")
+    for a in (algo, algo._replace(aggregator=median())):
+        (s1, one, l1), (s2, two, l2) = (_run("vmap", a, cd, variables, block_size=1,
+                                             workers=w) for w in (1, 2))
+        assert not s1.executor.concurrent and s2.executor.concurrent
+        assert max_rel_err(one.server, two.server) < 1e-6
+        np.testing.assert_allclose(l1, l2, rtol=1e-6)
+        assert max_rel_err(two.server.params, variables["params"]) > 1e-2
+    sc_variables, _, scaffold = sc._tiny_scaffold()
+    states = []
+    for w in (1, 2):
+        ex = make_executor("vmap", scaffold, sc.WORK, cd, sc_variables, 4, block_size=1,
+                           workers=w)
+        sim = Simulation(scaffold, cd, sc.WORK, ex, participation=0.67, seed=7)
+        state = sim.init(sc_variables)
+        for _ in range(2):
+            state, _ = sim.round(state)
+        states.append(state)
+    assert max_rel_err(states[0].server, states[1].server) < 1e-6
+    assert max_rel_err(states[0].client_states, states[1].client_states) < 1e-6
+    with pytest.raises(ValueError, match="workers must be >= 1, got 0"):
+        make_executor("vmap", algo, WORK, cd, variables, 3, block_size=1, workers=0)
 
 
 def test_loop_without_donation_gives_the_same_numbers():

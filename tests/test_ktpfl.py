@@ -1,15 +1,20 @@
 """KT-pFL: the knowledge-coefficient step against its hand-computed gradient, the
 regulariser alone contracting c to 1/N, distillation lowering the KL to a client's
-target, the server's store of soft predictions, and the held-out public set."""
+target, the server's store of soft predictions, the held-out public set; clients of
+several architectures: one network split into two groups equal to one group, mixed
+networks training their own models, evaluated on their own networks, resuming exactly."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import PFL_LR, max_rel_err, pfl_rounds, pfl_setup
+from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup
+from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.ktpfl import kl, ktpfl, soft_predictions, update_coefficients
+from fedjax_pan.algorithms.ktpfl import (KtMixed, kl, ktpfl, parse_architectures,
+                                         simplex_columns, soft_predictions,
+                                         update_coefficients)
 
 
 def _soft(rng, n, p, c):
@@ -74,7 +79,8 @@ def test_distillation_lowers_the_kl_to_the_target():
 
 def test_the_server_stores_soft_predictions_and_steps_c():
     cd, model, variables, tx, public = _setup()
-    algo = ktpfl(model, tx, public, cd.num_clients, 0.4, lam=1.0, rho=0.1, coef_lr=0.5)
+    algo = ktpfl(model, tx, public, cd.num_clients, 0.4, lam=1.0, rho=0.1, coef_lr=0.05,
+                 simplex=False)
     sim, states, _ = pfl_rounds(algo, cd, variables, rounds=2)
     server = states[2].server
     ids = set(sim.sample(0).tolist()) | set(sim.sample(1).tolist())
@@ -90,7 +96,7 @@ def test_the_server_stores_soft_predictions_and_steps_c():
             assert float(server.sizes[k]) == 0
     # c took exactly one step per round, on the soft predictions stored by then.
     c1 = update_coefficients(states[0].server.coef, states[1].server.soft,
-                             states[1].server.sizes, 1.0, 0.1, 0.5)
+                             states[1].server.sizes, 1.0, 0.1, 0.05)
     assert max_rel_err(states[1].server.coef, c1) < 1e-5
     assert max_rel_err(states[1].server.coef, states[0].server.coef) > 1e-4
     # Personal models: each client's own, never averaged.
@@ -114,3 +120,170 @@ def test_the_public_set_is_held_out_of_every_client():
     plain = experiment.build(config())
     again = experiment.build(config(dataset__public_size=0))
     assert all(np.array_equal(a, b) for a, b in zip(plain.client_indices, again.client_indices))
+
+
+# ---- clients of several architectures ----------------------------------------------------
+
+OPTS = dict(lam=1.0, rho=0.1, coef_lr=0.05, simplex=True)
+
+
+def _mixed(nets, initial, arch, strategy="vmap"):
+    cd, _, _, tx, public = _setup()
+    return KtMixed(nets, initial, np.asarray(arch), tx, cd, PFL_WORK, public, 0.4,
+                   participation=0.5, seed=7, strategy=strategy, options=OPTS)
+
+
+def _run(sim, rounds=2):
+    states = [sim.init(None)]
+    for _ in range(rounds):
+        states.append(sim.round(states[-1])[0])
+    return states
+
+
+@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+@pytest.mark.parametrize("arch", [[0, 1, 0, 1, 0, 1], [1, 1, 0, 0, 0, 1]])
+def test_one_network_in_two_groups_equals_one_group(strategy, arch):
+    """Grouping is bookkeeping: the same network split into two groups of clients trains,
+    stores soft predictions and steps c exactly as one federation of that network."""
+    cd, model, variables, tx, public = _setup()
+    algo = ktpfl(model, tx, public, cd.num_clients, 0.4, **OPTS)
+    _, want, _ = pfl_rounds(algo, cd, variables, strategy, rounds=2)
+    sim = _mixed([model, model], [variables, variables], arch, strategy)
+    got = _run(sim)
+    for r in (1, 2):
+        for field in ("coef", "soft", "sizes"):
+            np.testing.assert_array_equal(getattr(got[r].server, field),
+                                          getattr(want[r].server, field))
+    # (the Simulation's earlier client states were donated to its scatter)
+    for g, states in zip(sim.groups, got[2].client_states):
+        mine = jax.tree_util.tree_map(lambda x: x[g.ids], want[2].client_states)
+        assert max_rel_err(states, mine) == 0
+    assert max_rel_err(want[2].server.coef, want[1].server.coef) > 1e-4  # c moved
+    assert bool(jnp.all(jnp.isfinite(want[2].server.coef)))
+
+
+def test_mixed_networks_train_their_own_models():
+    """Two MLPs of other widths and a small CNN in one federation: each client keeps a
+    model of its own network, reports that model's soft predictions, and c steps on the
+    stored predictions of every client."""
+    cd, _, _, tx, public = _setup()
+    nets = [models.build("mlp", 10, hidden=[24, 16]), models.build("mlp", 10, hidden=[12]),
+            models.build("cnn", 10, channels=[4, 6], fc_hidden=[16])]
+    initial = [models.init(n, jax.random.PRNGKey(i), (6, 6, 1)) for i, n in enumerate(nets)]
+    arch = np.arange(cd.num_clients) % 3
+    sim = _mixed(nets, initial, arch, strategy="auto")
+    states = _run(sim)
+    sampled = set(sim.sample(0).tolist()) | set(sim.sample(1).tolist())
+    assert {int(arch[k]) for k in sampled} == {0, 1, 2}
+    server = states[2].server
+    for a, (g, stacked) in enumerate(zip(sim.groups, states[2].client_states)):
+        assert g.ids.tolist() == np.flatnonzero(arch == a).tolist()
+        assert jax.tree_util.tree_structure(stacked) == jax.tree_util.tree_structure(
+            initial[a])
+        for i, k in enumerate(g.ids):
+            mine = jax.tree_util.tree_map(lambda x: x[i], stacked)
+            trained = max_rel_err(mine, initial[a]) > 1e-3
+            assert trained == (k in sampled)
+            want = soft_predictions(nets[a].apply(mine, public), 1.0)
+            assert max_rel_err(server.soft[k], want) < 1e-5
+            assert float(server.sizes[k]) == (cd.sizes[k] if k in sampled else 0)
+    c1 = simplex_columns(update_coefficients(states[0].server.coef, states[1].server.soft,
+                                             states[1].server.sizes, 1.0, 0.1, 0.05))
+    assert max_rel_err(states[1].server.coef, c1) < 1e-6
+    # Personal models: each group on its own network.
+    groups = sim.personal_groups(states[2])
+    assert [net for net, _, _ in groups] == nets
+    assert all(max_rel_err(v, s) == 0 for (_, _, v), s in zip(groups, states[2].client_states))
+
+
+def test_simplex_projection_by_hand_and_keeping_targets_distributions():
+    coef = jnp.asarray([[0.5, 0.2], [0.8, 0.3], [-0.2, 0.5]], jnp.float32)
+    # Column 0 by hand: sorted 0.8, 0.5, -0.2 keeps two, theta = (1.3 - 1) / 2 = 0.15;
+    # column 1 sums to 1 and is non-negative: unchanged.
+    np.testing.assert_allclose(simplex_columns(coef), [[0.35, 0.2], [0.65, 0.3], [0.0, 0.5]],
+                               atol=1e-6)
+    # A step large enough to push c negative: NaN targets without the projection, valid
+    # mixtures with it.
+    cd, model, variables, tx, public = _setup()
+    coefs = []
+    for simplex in (False, True):
+        algo = ktpfl(model, tx, public, cd.num_clients, 0.4, coef_lr=0.5, simplex=simplex)
+        _, states, _ = pfl_rounds(algo, cd, variables, rounds=2)
+        coefs.append([np.asarray(s.server.coef) for s in states])
+    assert coefs[0][1].min() < 0 and np.isnan(coefs[0][2]).any()
+    for c in coefs[1][1:]:
+        assert c.min() >= 0 and np.allclose(c.sum(0), 1, atol=1e-5)
+
+
+def test_architecture_specs_are_parsed_and_bad_ones_named():
+    assert parse_architectures("") == []
+    assert parse_architectures("mlp(hidden=(200, 200)); cnn") == [
+        ("mlp", {"hidden": (200, 200)}), ("cnn", {})]
+    assert parse_architectures(" cnn(channels=[8, 16], norm='group') ") == [
+        ("cnn", {"channels": [8, 16], "norm": "group"})]
+    for bad, why in [("mlp; foo", "unknown model 'foo'"), ("mlp(3)", "keyword arguments"),
+                     ("mlp(width=2)", r"unknown option\(s\) \['width'\]"),
+                     ("mlp(hidden=h)", "not a literal"), ("mlp;", "not a name")]:
+        with pytest.raises(ValueError, match=why):
+            parse_architectures(bad)
+
+
+def _mixed_config(**changes):
+    from test_experiment import config
+    base = dict(algorithm="ktpfl", local__epochs=2.0, dataset__public_size=100,
+                partition__test_fraction=0.25,
+                ktpfl__architectures="mlp(hidden=(16, 16)); cnn(channels=(4, 8), "
+                                     "fc_hidden=(16,))")
+    return config(**{**base, **changes})
+
+
+@pytest.mark.slow
+def test_config_runs_mixed_networks_and_scores_each_on_its_own(tmp_path):
+    """From a config: the driver runs; the logged personal accuracy is every client's own
+    network on its own test part (numpy over the stored models); a bad spec names
+    itself; one architecture runs as the one compiled algorithm."""
+    from fedjax_pan import experiment
+    cfg = _mixed_config(rounds=2)
+    exp = experiment.build(cfg)
+    assert isinstance(exp.simulation, KtMixed)
+    state = exp.simulation.init(exp.variables)
+    for _ in range(2):
+        state, _ = exp.simulation.round(state)
+    got = experiment.evaluate_clients(exp, state, None, None)
+    y = exp.dataset.train_labels
+    xs_all = experiment._normalized(exp.config, exp.dataset, None)[0]
+    correct = count = 0
+    for net, ids, stacked in exp.simulation.personal_groups(state):
+        for i, k in enumerate(ids):
+            rows = exp.test_indices[k]
+            own = jax.tree_util.tree_map(lambda v: v[i], stacked)
+            pred = np.argmax(np.asarray(net.apply(own, xs_all[rows])), -1)
+            correct += int(np.sum(pred == y[rows]))
+            count += len(rows)
+    assert got["pfl_accuracy"] == pytest.approx(correct / count, abs=1e-9)
+    assert count == sum(len(t) for t in exp.test_indices)
+    with pytest.raises(experiment.ConfigError, match="ktpfl.architectures.*unknown model"):
+        experiment.build(_mixed_config(ktpfl__architectures="mlp; resnet99"))
+    # One spec equal to the config's model: the compiled algorithm's numbers, driver or not.
+    one = _mixed_config(rounds=1, ktpfl__architectures="mlp(hidden=(16, 16))",
+                        model__options__hidden=[16, 16])
+    plain = _mixed_config(rounds=1, ktpfl__architectures="", model__options__hidden=[16, 16])
+    a, b = experiment.build(one), experiment.build(plain)
+    assert isinstance(a.simulation, KtMixed) and not isinstance(b.simulation, KtMixed)
+    sa, _ = a.simulation.round(a.simulation.init(a.variables))
+    sb, _ = b.simulation.round(b.simulation.init(b.variables))
+    np.testing.assert_array_equal(sa.server.coef, sb.server.coef)
+    assert max_rel_err(sa.client_states[0], sb.client_states) == 0
+
+
+@pytest.mark.slow
+def test_mixed_networks_resume_exactly(tmp_path):
+    from fedjax_pan import experiment
+    from test_experiment import metrics
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    experiment.train(_mixed_config(rounds=3, checkpoint_every=2), full, progress=False)
+    experiment.train(_mixed_config(rounds=2, checkpoint_every=2), part, progress=False)
+    experiment.train(_mixed_config(rounds=3, checkpoint_every=2), part, resume=True,
+                     progress=False)
+    assert metrics(part) == metrics(full) and len(metrics(full)) == 3
+    assert all("pfl_accuracy" in m for m in metrics(full))

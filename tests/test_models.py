@@ -36,6 +36,9 @@ def test_parameter_counts_match_the_paper_architectures():
     vgg9 = _init(models.build("vgg9", 10), (32, 32, 3))
     want = _conv_count([3, 32, 64, 128, 128, 256, 256]) + _dense_count([4096, 512, 512, 10])
     assert models.count_params(vgg9) == want == 3_491_530
+    cnn = _init(models.build("cnn", 10), (28, 28, 1))
+    want = _conv_count([1, 32, 64], k=5) + _dense_count([7 * 7 * 64, 512, 10])
+    assert models.count_params(cnn) == want == 1_663_370
 
 
 @pytest.mark.parametrize("name", models.NAMES)
@@ -218,3 +221,16 @@ def test_batch_norm_mask_ignores_padded_examples():
     np.testing.assert_allclose(out_m[:4], out_s, rtol=1e-4, atol=1e-5)
     for a, b in zip(jax.tree_util.tree_leaves(st_m), jax.tree_util.tree_leaves(st_s)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_models_are_built_from_specs():
+    """A spec is a call with literal keyword options (norm is build's): the same module
+    as `build`; a bad one names the model, the option or the syntax."""
+    assert models.from_spec("mlp(hidden=(7,))", 10) == models.build("mlp", 10, hidden=[7])
+    cnn = models.from_spec("cnn(channels=(4, 8), norm='group(2)')", 3, pan=PAN_MUL)
+    assert cnn == models.build("cnn", 3, pan=PAN_MUL, channels=(4, 8), norm="group(2)")
+    assert cnn.plan == (4, "M", 8, "M") and cnn.kernel == 5 and cnn.norm == "group"
+    for bad, why in [("vgg10", "unknown model 'vgg10'"), ("mlp(hidden=[1], x=2)", "'x'"),
+                     ("mlp(2)", "keyword"), ("mlp()()", "not a name"), ("1 + 2", "not a name")]:
+        with pytest.raises(ValueError, match=why):
+            models.from_spec(bad, 10)

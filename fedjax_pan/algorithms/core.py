@@ -150,7 +150,10 @@ class AlgorithmEntry(NamedTuple):
     the host, a model that grows) gives a
     `driver(model, cfg, client_tx, client_data, local_work)`
     returning an object with `engine.Simulation`'s interface (init, round, evaluation,
-    num_sampled, shapes_change); the engine runs it as it runs a Simulation.
+    num_sampled, shapes_change; optionally personal_evaluation, or personal_groups for
+    clients of several networks), or None where this config runs as one compiled round
+    after all (KT-pFL with one architecture); the engine runs it as it runs a Simulation.
+    A driver of an algorithm with `public` also takes `public=`.
     """
 
     build: Callable[..., FederatedAlgorithm]

@@ -13,34 +13,67 @@ gradient step on c (Eq. 7):
                            + rho ||c - 1/N||^2 ]
 
 KL averaged over the public examples. The paper constrains c no further than the
-regulariser pulling it to 1/N, and neither does this. Before any client has trained,
-every client's soft predictions are the initial model's.
+regulariser pulling it to 1/N; unconstrained, the steps shrink the columns' sums (a
+target is then no distribution) and drive entries negative, where the target's log turns
+NaN (Fashion-MNIST, 20 clients, the 2NN, the default eta3 = 0.1: column sums down to 0.39
+by round 7, an entry negative in round 8, c NaN from round 9, the training loss NaN in
+round 11). So by default (`simplex=True`) each column of c is projected onto the
+probability simplex after every step (Euclidean projection) and every target stays a
+mixture of the clients' predictions; `simplex=False` is the paper's unconstrained step.
+Before any client has trained, every client's soft predictions are the initial model's.
 
 Here the distillation is the last `distill_share` of the round's local steps (so it comes
 out of `local.epochs`: E = 2 with `ktpfl.distill_epochs` = 1 trains one epoch, then
 distils for as many steps), each on a public batch of the local batch size drawn with
 replacement from the client's key. Clients evaluate their own w^n; there is no global
-model (the global evaluation shows the initial one). One architecture for every client:
-mixed architectures are not built yet.
+model (the global evaluation shows the initial one).
+
+Clients may differ in architecture (`config.ktpfl.architectures`, model specs separated by
+';', client n taking spec n mod A as PFLlib's heterogeneous-model clients do): `KtMixed`
+groups clients by architecture, runs each group through an executor of its own, and
+steps the shared c and soft predictions once per round (`absorb`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple
+import dataclasses
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, FederatedAlgorithm
-from fedjax_pan.rules import between
+from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
-OPTIONS = {"temperature": 1.0, "lam": 1.0, "rho": 0.1, "coef_lr": 0.1, "distill_epochs": 1.0}
+
+
+def parse_architectures(text: str) -> List[Tuple[str, Dict[str, Any]]]:
+    """The model specs (`models.parse_spec`) of `text`, separated by ';' ('': none)."""
+    specs = [s.strip() for s in str(text).split(";")]
+    if specs == [""]:
+        return []
+    return [models.parse_spec(s) for s in specs]
+
+
+def _architectures_rule(value: Any) -> Optional[str]:
+    try:
+        parse_architectures(value)
+    except ValueError as e:
+        return f"'' or model specs separated by ';' ({e})"
+    return None
+
+
+OPTIONS = {"temperature": 1.0, "lam": 1.0, "rho": 0.1, "coef_lr": 0.1, "distill_epochs": 1.0,
+           "simplex": True, "architectures": ""}
 RULES = {"temperature": between(0, lo_open=True), "lam": between(0), "rho": between(0),
-         "coef_lr": between(0), "distill_epochs": between(0, lo_open=True)}
+         "coef_lr": between(0), "distill_epochs": between(0, lo_open=True),
+         "simplex": Rule(boolean), "architectures": Rule(_architectures_rule)}
 EPS = 1e-12  # inside logs of probabilities
 
 
@@ -97,10 +130,37 @@ def update_coefficients(coef: jax.Array, soft: jax.Array, sizes: jax.Array, lam:
     return coef - lr * grad
 
 
+def simplex_columns(coef: jax.Array) -> jax.Array:
+    """Each column of `coef` projected onto the probability simplex (the nearest
+    non-negative column summing to 1 in Euclidean distance; Duchi et al. 2008)."""
+    n = coef.shape[0]
+
+    def project(v):
+        u = jnp.sort(v)[::-1]
+        css = jnp.cumsum(u)
+        k = jnp.arange(1, n + 1, dtype=v.dtype)
+        last = jnp.max(jnp.where(u - (css - 1.0) / k > 0, jnp.arange(n), 0))
+        return jnp.maximum(v - (css[last] - 1.0) / (last + 1.0), 0.0)
+    return jax.vmap(project, in_axes=1, out_axes=1)(coef)
+
+
+def absorb(server: Any, ids: jax.Array, soft: jax.Array, size: jax.Array, lam: float,
+           rho: float, lr: float, simplex: bool = False) -> Any:
+    """The server's round: clients `ids` report their soft predictions and sizes (stored
+    over their earlier ones), then c takes its step (`update_coefficients`), projected
+    column by column onto the simplex when `simplex`."""
+    soft = server.soft.at[ids].set(soft)
+    sizes = server.sizes.at[ids].set(size)
+    coef = update_coefficients(server.coef, soft, sizes, lam, rho, lr)
+    coef = simplex_columns(coef) if simplex else coef
+    return server._replace(coef=coef, soft=soft, sizes=sizes, round=server.round + 1)
+
+
 def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax.Array,
           num_clients: int, distill_share: float, *, temperature: float = 1.0,
-          lam: float = 1.0, rho: float = 0.1, coef_lr: float = 0.1, eval_batch: int = 1000,
-          warmup: str = "none", warmup_length: int = 0) -> FederatedAlgorithm:
+          lam: float = 1.0, rho: float = 0.1, coef_lr: float = 0.1, simplex: bool = True,
+          eval_batch: int = 1000, warmup: str = "none", warmup_length: int = 0
+          ) -> FederatedAlgorithm:
     """KT-pFL for `num_clients` clients of one architecture distilling on `public`
     (normalised images); the last round(distill_share x steps) local steps distil."""
     local_lib.check_share(distill_share, "KT-pFL's share of local steps for distillation")
@@ -169,11 +229,8 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
                 {"params": local.train.params, **local.train.model_state})
 
     def server_update(server, outputs, info):
-        ids = info.client_ids
-        soft = server.soft.at[ids].set(outputs["soft"])
-        sizes = server.sizes.at[ids].set(outputs["size"])
-        coef = update_coefficients(server.coef, soft, sizes, lam, rho, coef_lr)
-        return server._replace(coef=coef, soft=soft, sizes=sizes, round=server.round + 1)
+        return absorb(server, info.client_ids, outputs["soft"], outputs["size"], lam, rho,
+                      coef_lr, simplex)
 
     def eval_variables(server):
         return {"params": server.params, **server.model_state}
@@ -188,16 +245,213 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
                               personal_variables=personal_variables)
 
 
+# ----------------------------------------------------------------------------------------
+# Clients of several architectures.
+# ----------------------------------------------------------------------------------------
+
+class KtMixedServer(NamedTuple):
+    initial: Tuple[PyTree, ...]  # each architecture's initial variables
+    coef: jax.Array  # (N, N), as KtServer's
+    soft: jax.Array  # (N, P, C)
+    sizes: jax.Array  # (N,)
+    round: jax.Array
+
+
+class Group(NamedTuple):
+    """The clients of one architecture: global ids (sorted), network, algorithm, executor."""
+    ids: np.ndarray
+    model: nn.Module
+    algorithm: FederatedAlgorithm
+    executor: Any
+
+
+@dataclasses.dataclass
+class KtMixed:
+    """KT-pFL rounds over clients of several architectures, with `Simulation`'s interface.
+
+    Client n runs `models[arch[n]]` from `initial[arch[n]]`. Each architecture's clients
+    form a group with its own algorithm (`ktpfl` on that network) and executor; the group
+    sees the shared server state through `view` (c's columns of its clients, every
+    client's soft predictions), so its clients' local work is exactly the one-architecture
+    algorithm's. Batch orders and keys follow global client ids: how clients are grouped
+    changes no number.
+    """
+
+    models: Sequence[nn.Module]
+    initial: Sequence[PyTree]
+    arch: np.ndarray  # (N,) client -> index into `models`
+    client_tx: optax.GradientTransformation
+    data: Any  # engine.ClientData of all N clients
+    work: Any  # engine.LocalWork
+    public: Any
+    distill_share: float
+    participation: float = 1.0
+    seed: int = 0
+    strategy: str = "auto"
+    block_size: Optional[int] = None
+    options: Dict[str, Any] = dataclasses.field(default_factory=dict)  # ktpfl's keywords
+
+    shapes_change = False
+
+    def __post_init__(self):
+        from fedjax_pan.engine.execution import make_executor
+        from fedjax_pan.engine.simulation import clients_per_round, stream_keys
+        self.arch = np.asarray(self.arch, np.int64)
+        n = self.data.num_clients
+        if self.arch.shape != (n,) or self.arch.min() < 0 or self.arch.max() >= len(self.models):
+            raise ValueError(f"arch must give each of the {n} clients an index into the "
+                             f"{len(self.models)} architectures, got {self.arch}")
+        self.num_clients = n
+        self.num_sampled = clients_per_round(self.participation, n)
+        self.steps = self.work.num_steps(self.data.sizes)
+        self._data_key, self._algo_key = stream_keys(self.seed)
+        self.groups: List[Group] = []
+        for a, (model, variables) in enumerate(zip(self.models, self.initial)):
+            ids = np.flatnonzero(self.arch == a)
+            if not len(ids):
+                raise ValueError(f"no client has architecture {a} ({type(model).__name__}): "
+                                 f"there are {n} clients for {len(self.models)} architectures")
+            data = dataclasses.replace(self.data, index_table=self.data.index_table[ids],
+                                       sizes=self.data.sizes[ids],
+                                       label_counts=self.data.label_counts[ids])
+            algorithm = ktpfl(model, self.client_tx, self.public, len(ids),
+                              self.distill_share, **self.options)
+            per_round = max(1, -(-self.num_sampled * len(ids) // n))
+            self.groups.append(Group(ids, model, algorithm,
+                                     make_executor(self.strategy, algorithm, self.work, data,
+                                                   variables, per_round, self.block_size)))
+        o = self.options
+        self._absorb = jax.jit(lambda server, ids, soft, size: absorb(
+            server, ids, soft, size, o.get("lam", 1.0), o.get("rho", 0.1),
+            o.get("coef_lr", 0.1), o.get("simplex", True)))
+        self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
+            lambda a, b: a.at[ids].set(b), all_, new))
+
+    def view(self, server: KtMixedServer, a: int) -> KtServer:
+        """Group a's server state: its initial model and c's columns of its clients."""
+        params, model_state = local_lib.split_variables(server.initial[a])
+        return KtServer(params, model_state, server.coef[:, self.groups[a].ids], server.soft,
+                        server.sizes, server.round)
+
+    def init(self, variables: PyTree):
+        """Round 0's state (`variables` unused: each architecture starts from `initial`)."""
+        from fedjax_pan.engine.simulation import SimState
+        del variables
+        n = self.num_clients
+        soft, states = None, []
+        for g, v in zip(self.groups, self.initial):
+            first = g.algorithm.server_init(v)
+            if soft is None:
+                soft = jnp.zeros((n, *first.soft.shape[1:]), jnp.float32)
+            soft = soft.at[g.ids].set(first.soft[0])
+            one = g.algorithm.client_state_init(first)
+            states.append(jax.tree_util.tree_map(
+                lambda x: jnp.broadcast_to(x, (len(g.ids), *np.shape(x))), one))
+        server = KtMixedServer(tuple(self.initial), jnp.full((n, n), 1.0 / n, jnp.float32),
+                               soft, jnp.zeros((n,), jnp.float32), jnp.zeros((), jnp.int32))
+        return SimState(server, tuple(states), 0)
+
+    def sample(self, round_index: int) -> np.ndarray:
+        from fedjax_pan.engine.simulation import sample_clients
+        return sample_clients(self.seed, self.num_clients, self.num_sampled, round_index)
+
+    def evaluation(self, server: KtMixedServer) -> Tuple[nn.Module, PyTree]:
+        """The first architecture's initial model (KT-pFL has no global model)."""
+        return self.models[0], server.initial[0]
+
+    def personal_groups(self, state) -> List[Tuple[nn.Module, np.ndarray, PyTree]]:
+        """(network, client ids, their models stacked) for each architecture."""
+        out = []
+        for a, (g, states) in enumerate(zip(self.groups, state.client_states)):
+            view = self.view(state.server, a)
+            out.append((g.model, g.ids, jax.vmap(g.algorithm.personal_variables,
+                                                 in_axes=(None, 0))(view, states)))
+        return out
+
+    def round(self, state) -> Tuple[Any, Dict[str, float]]:
+        """Runs round `state.round`: each group's sampled clients, then one server step."""
+        from fedjax_pan.engine.clients import client_keys, real_examples
+        from fedjax_pan.engine.execution import Cohort
+        from fedjax_pan.engine.simulation import SimState, train_metrics
+        r = state.round
+        ids = self.sample(r)
+        server = state.server
+        states = list(state.client_states)
+        reported, soft, size, sums, computed = [], [], [], {}, 0
+        for a, g in enumerate(self.groups):
+            mine = ids[self.arch[ids] == a]
+            if not len(mine):
+                continue
+            local = np.searchsorted(g.ids, mine)
+            cohort = Cohort(local, self.steps[mine], np.ones(len(mine)),
+                            client_keys(self._data_key, r, mine),
+                            client_keys(self._algo_key, r, mine),
+                            jax.tree_util.tree_map(lambda x: jnp.asarray(x)[local], states[a]),
+                            r)
+            result = g.executor.run(self.view(server, a), cohort)
+            states[a] = self._scatter(jax.tree_util.tree_map(jnp.asarray, states[a]),
+                                      jnp.asarray(local), result.client_states)
+            reported.append(mine)
+            soft.append(result.outputs["soft"])
+            size.append(result.outputs["size"])
+            for k, v in jax.device_get(result.metrics).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+            computed += result.computed_examples
+        server = self._absorb(server, jnp.asarray(np.concatenate(reported), jnp.int32),
+                              jnp.concatenate(soft), jnp.concatenate(size))
+        upload = sums.pop("upload_bytes")
+        stats = {**train_metrics(sums),
+                 "real_examples": real_examples(self.work, self.data.sizes[ids]),
+                 "computed_examples": computed, "upload_bytes": upload}
+        return SimState(server, tuple(states), r + 1), stats
+
+
+def _options(cfg: Any) -> Dict[str, Any]:
+    o = cfg.ktpfl
+    return dict(temperature=o.temperature, lam=o.lam, rho=o.rho, coef_lr=o.coef_lr,
+                simplex=o.simplex, eval_batch=cfg.eval.batch_size, warmup=cfg.optimizer.warmup,
+                warmup_length=cfg.optimizer.warmup_length)
+
+
+def _distill_share(cfg: Any) -> float:
+    return local_lib.share_of_steps(cfg.ktpfl.distill_epochs, cfg.local.epochs,
+                                    "ktpfl.distill_epochs", "distillation is")
+
+
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation, *, public: Any) -> FederatedAlgorithm:
     del server_tx  # nothing is averaged
-    share = local_lib.share_of_steps(cfg.ktpfl.distill_epochs, cfg.local.epochs,
-                                     "ktpfl.distill_epochs", "distillation is")
-    o = cfg.ktpfl
-    return ktpfl(model, client_tx, public, cfg.partition.num_clients, share,
-                 temperature=o.temperature, lam=o.lam, rho=o.rho, coef_lr=o.coef_lr,
-                 eval_batch=cfg.eval.batch_size, warmup=cfg.optimizer.warmup,
-                 warmup_length=cfg.optimizer.warmup_length)
+    return ktpfl(model, client_tx, public, cfg.partition.num_clients, _distill_share(cfg),
+                 **_options(cfg))
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, public=True)
+def mixed_from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                      data: Any, work: Any, *, public: Any) -> Optional[KtMixed]:
+    """The `KtMixed` driver `config.ktpfl.architectures` describes (None when it is empty:
+    every client runs the config's model as one compiled round). Architecture 0 starts
+    from the seed's key as the config's model does, architecture a > 0 from the key
+    folded with a; PANs as the config sets them."""
+    del model
+    specs = parse_architectures(cfg.ktpfl.architectures)
+    if not specs:
+        return None
+    num_classes = int(data.label_counts.shape[1])
+    pan = None if not cfg.pan.amplitude else cfg.pan.to_dict()
+    nets, initial = [], []
+    key = jax.random.PRNGKey(cfg.seed)
+    for a, (name, options) in enumerate(specs):
+        options = dict(options)
+        norm = options.pop("norm", cfg.model.norm)
+        nets.append(models.build(name, num_classes, pan=pan, norm=norm, **options))
+        initial.append(models.init(nets[-1], key if a == 0 else jax.random.fold_in(key, a),
+                                   tuple(data.images.shape[1:])))
+    n = data.num_clients
+    if n < len(specs):
+        raise ValueError(f"architectures lists {len(specs)} models for {n} clients: every "
+                         "architecture needs a client")
+    return KtMixed(nets, initial, np.arange(n) % len(specs), client_tx, data, work, public,
+                   _distill_share(cfg), cfg.participation, cfg.seed, cfg.execution.strategy,
+                   cfg.execution.block_size, _options(cfg))
+
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=mixed_from_config, public=True)

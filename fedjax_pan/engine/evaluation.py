@@ -75,7 +75,9 @@ def make_client_evaluator(model: nn.Module, images: np.ndarray, labels: np.ndarr
     personal=True, vmapped=False)`: client k's own model, the leaves of `stacked` holding
     one entry per client (K, ...) on a leading axis, evaluated client by client (a loop of
     one compiled function) or, `vmapped`, all clients at once on their parts padded to the
-    largest. Returns per-client float64 arrays (K,): 'correct', 'count', 'loss_sum'.
+    largest. `clients`: only these clients' own models (`stacked` then holds one entry per
+    listed client; e.g. a group of clients sharing a network `net`). Returns per-client
+    float64 arrays (K,): 'correct', 'count', 'loss_sum' (0 for clients not evaluated).
     """
     parts = [np.asarray(p, np.int64) for p in test_parts]
     counts = np.asarray([len(p) for p in parts], np.int64)
@@ -144,26 +146,38 @@ def make_client_evaluator(model: nn.Module, images: np.ndarray, labels: np.ndarr
         return jax.vmap(one)(stacked, px, py, pm)
 
     def evaluate(variables: PyTree, personal: bool = False, vmapped: bool = False,
-                 net: Optional[nn.Module] = None) -> Dict[str, np.ndarray]:
+                 net: Optional[nn.Module] = None, clients: Optional[Sequence[int]] = None
+                 ) -> Dict[str, np.ndarray]:
         net = model if net is None else net
         if not personal:
+            if clients is not None:
+                raise ValueError("clients= selects whose own models are evaluated "
+                                 "(personal=True)")
             acc = (jnp.zeros(k, jnp.float32), jnp.zeros(k, jnp.float32))
             for i in range(nb):
                 acc = union_batch(net, variables, acc, jnp.int32(i), ux, uy, uo, um)
-            correct, loss = acc
-        elif vmapped:
-            correct, loss = all_clients(net, variables, *padded())
+            return {"correct": np.asarray(acc[0], np.float64),
+                    "count": counts.astype(np.float64),
+                    "loss_sum": np.asarray(acc[1], np.float64)}
+        ids = np.arange(k) if clients is None else np.asarray(clients, np.int64)
+        correct, loss = np.zeros(k), np.zeros(k)
+        if vmapped:
+            arrays = padded()
+            if clients is not None:  # only their parts (one compile per group size)
+                arrays = tuple(a[jnp.asarray(ids)] for a in arrays)
+            cs, ls = all_clients(net, variables, *arrays)
+            correct[ids], loss[ids] = np.asarray(cs), np.asarray(ls)
         else:
-            correct, loss = np.zeros(k), np.zeros(k)
-            for j in range(k):
-                own = jax.tree_util.tree_map(lambda x: x[j], variables)
+            for i, j in enumerate(ids):
+                own = jax.tree_util.tree_map(lambda x: x[i], variables)
                 for t in range(-(-int(counts[j]) // c)):
                     cj, lj = client_chunk(net, own, jnp.int32(j), jnp.int32(t), *padded())
                     correct[j] += float(cj)
                     loss[j] += float(lj)
-        return {"correct": np.asarray(correct, np.float64),
-                "count": counts.astype(np.float64),
-                "loss_sum": np.asarray(loss, np.float64)}
+        # Clients left out count no examples, so evaluations of disjoint groups add up.
+        count = np.zeros(k)
+        count[ids] = counts[ids]
+        return {"correct": correct, "count": count, "loss_sum": loss}
 
     return evaluate
 

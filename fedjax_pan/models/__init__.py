@@ -1,7 +1,9 @@
 """Model zoo: `build(name, num_classes, pan=..., norm=..., **options)` returns a flax module.
 
-Models (`NAMES`): mlp, vgg9/11/13/16, resnet20 and mobilenet (MobileNetV1, CIFAR variant);
-mlp, vgg* and mobilenet also take Fed2's grouped structure (`grouped=`).
+Models (`NAMES`): mlp, cnn (McMahan et al.'s two-conv CNN, PFLlib's default), vgg9/11/13/16,
+resnet20 and mobilenet (MobileNetV1, CIFAR variant); mlp, cnn, vgg* and mobilenet also take
+Fed2's grouped structure (`grouped=`). `parse_spec` reads a model written as a call,
+`"mlp(hidden=(200, 200))"`.
 
 Every model is called as `model.apply(variables, x, train=False)` on NHWC images and
 returns logits. Hidden activations and the penultimate representation (`features`) are
@@ -17,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import ast
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import flax.linen as nn
@@ -53,9 +56,20 @@ def with_channels(plan: Tuple[Any, ...], channels: Tuple[int, ...]) -> Tuple[Any
     return tuple(item if item == "M" else next(it) for item in plan)
 
 
+def _cnn(channels: Tuple[int, ...] = (32, 64), fc_hidden: Tuple[int, ...] = (512,),
+         kernel: int = 5, **kw: Any) -> nn.Module:
+    """McMahan et al.'s CNN (AISTATS 2017; PFLlib's FedAvgCNN): 5x5 convs of 32 and 64
+    channels, each followed by a 2x2 max pool, FC 512, head. The convs pad 'same', so 28x28
+    inputs flatten 7x7x64 (PFLlib's unpadded convs flatten 4x4x64)."""
+    plan = tuple(x for c in channels for x in (int(c), "M"))
+    return VGG(plan=plan, fc_hidden=tuple(int(h) for h in fc_hidden), kernel=int(kernel),
+               **kw)
+
+
 # name -> (constructor, default norm)
 _REGISTRY: Dict[str, Tuple[Callable[..., nn.Module], str]] = {
     "mlp": (MLP, "none"),
+    "cnn": (_cnn, "none"),
     "vgg9": (_vgg("vgg9"), "none"),
     "vgg11": (_vgg("vgg11"), "none"),
     "vgg13": (_vgg("vgg13"), "none"),
@@ -65,6 +79,7 @@ _REGISTRY: Dict[str, Tuple[Callable[..., nn.Module], str]] = {
 }
 _OPTIONS = {
     "mlp": {"hidden", "grouped"},
+    "cnn": {"channels", "fc_hidden", "kernel", "pan_fc", "width", "grouped"},
     "vgg9": {"pan_fc", "width", "grouped", "channels", "fc_hidden"},
     "vgg11": {"width", "grouped", "channels"},
     "vgg13": {"width", "grouped", "channels"},
@@ -105,6 +120,47 @@ def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] 
             options["grouped"].class_map(int(num_classes))  # fails early on a bad map
     return ctor(num_classes=int(num_classes), pan=as_config(pan), norm=kind, groups=groups,
                 **options)
+
+
+def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
+    """(name, options) of a model written as a call with literal keyword arguments:
+    `"mlp"`, `"mlp(hidden=(200, 200))"`, `"cnn(channels=(16, 32), norm='group')"`
+    (`norm` is `build`'s; the rest are the model's options, checked by `build`)."""
+    def bad(why: str) -> ValueError:
+        return ValueError(f"model spec {spec!r}: {why}; write a model name, optionally "
+                          "called with keyword options, e.g. \"mlp(hidden=(200, 200))\"")
+    try:
+        tree = ast.parse(str(spec).strip(), mode="eval").body
+    except SyntaxError:
+        raise bad("not a name or a call") from None
+    call = tree if isinstance(tree, ast.Call) else None
+    func = call.func if call is not None else tree
+    if not isinstance(func, ast.Name) or (call is not None and call.args):
+        raise bad("not a name or a call with keyword arguments only")
+    name = func.id.lower()
+    if name not in _REGISTRY:
+        raise bad(f"unknown model {func.id!r} (available: {', '.join(NAMES)})")
+    options = {}
+    for kw in (call.keywords if call is not None else []):
+        if kw.arg is None:
+            raise bad("** arguments are not accepted")
+        try:
+            options[kw.arg] = ast.literal_eval(kw.value)
+        except ValueError:
+            raise bad(f"option {kw.arg} is not a literal") from None
+    unknown = set(options) - _OPTIONS[name] - {"norm"}
+    if unknown:
+        raise bad(f"unknown option(s) {sorted(unknown)} for model {name!r} (accepted: "
+                  f"{sorted(_OPTIONS[name] | {'norm'})})")
+    return name, options
+
+
+def from_spec(spec: str, num_classes: int, pan: PANLike = None,
+              norm: Optional[str] = None) -> nn.Module:
+    """The model `spec` (`parse_spec`) describes; its own `norm` option wins over `norm`."""
+    name, options = parse_spec(spec)
+    norm = options.pop("norm", norm)
+    return build(name, num_classes, pan=pan, norm=norm, **options)
 
 
 def widths(model: nn.Module) -> Dict[str, int]:

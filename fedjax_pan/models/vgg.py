@@ -53,6 +53,7 @@ class VGG(nn.Module):
     groups: int = layers.DEFAULT_GROUPS
     width: float = 1.0
     grouped: Optional[grouped_lib.GroupedConfig] = None
+    kernel: int = 3  # every conv's square kernel ('same' padding)
 
     def weight_layers(self) -> Tuple[str, ...]:
         """Names of the weight layers in order: conv1.., fc1.., head."""
@@ -78,11 +79,12 @@ class VGG(nn.Module):
             name, width = f"conv{n}", scaled(item, self.width)
             if name in layout:
                 x = grouped_lib.grouped_unit(self, x, gc.width(width), name, conv=True,
-                                             first=name == first, grouped=gc, pan=self.pan)
+                                             first=name == first, grouped=gc, pan=self.pan,
+                                             kernel=self.kernel)
             else:
                 x = layers.hidden_unit(self, x, width, name, conv=True, norm=self.norm,
                                        groups=self.groups, pan=self.pan, train=train,
-                                       mask=mask)
+                                       mask=mask, kernel=self.kernel)
         # Grouped feature maps flatten group by group, so each group's features stay apart.
         x = (grouped_lib.split_groups(x, gc.groups).reshape(x.shape[0], -1)
              if f"conv{n}" in layout else x.reshape((x.shape[0], -1)))
