@@ -15,6 +15,9 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"fedjax_pan_test_jax_cache_{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+# Two xdist processes share the two cores already: lone clients run one at a time here
+# (two side by side made the suite ~30% slower); tests of the side-by-side path ask for it.
+os.environ.setdefault("FEDJAX_PAN_WORKERS", "1")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

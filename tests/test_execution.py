@@ -168,6 +168,20 @@ def test_lone_clients_side_by_side_give_the_sequential_numbers():
         make_executor("vmap", algo, WORK, cd, variables, 3, block_size=1, workers=0)
 
 
+def test_default_workers_by_backend_and_environment(monkeypatch):
+    from fedjax_pan.engine.execution import default_workers
+    monkeypatch.delenv("FEDJAX_PAN_WORKERS", raising=False)
+    if jax.default_backend() == "cpu" and (os.cpu_count() or 1) >= 2:
+        assert default_workers(1) == 2
+    assert default_workers(4) == 1  # vmapped blocks: one program at a time
+    monkeypatch.setenv("FEDJAX_PAN_WORKERS", "3")
+    assert default_workers(1) == 3
+    monkeypatch.setenv("FEDJAX_PAN_WORKERS", "two")
+    with pytest.raises(ValueError, match="FEDJAX_PAN_WORKERS must be a positive integer, "
+                                         "got 'two'"):
+        default_workers(1)
+
+
 def test_loop_without_donation_gives_the_same_numbers():
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg(norm="batch")
