@@ -435,7 +435,6 @@ class VmapExecutor:
                 jnp.int32(self._tail_index(self.data.sizes[cohort.ids[g[0]]])),
                 self._split_put(weights))
 
-
     def run(self, server: PyTree, cohort: Cohort) -> CohortResult:
         p = self.program
         server = self._replicate(server)
