@@ -47,7 +47,8 @@ import optax
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
+                                        RoundInfo)
 from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
@@ -320,10 +321,12 @@ class KtMixed:
             self.groups.append(Group(ids, model, algorithm,
                                      make_executor(self.strategy, algorithm, self.work, data,
                                                    variables, per_round, self.block_size)))
-        o = self.options
-        self._absorb = jax.jit(lambda server, ids, soft, size: absorb(
-            server, ids, soft, size, o.get("lam", 1.0), o.get("rho", 0.1),
-            o.get("coef_lr", 0.1), o.get("simplex", True)))
+        # Every group's algorithm steps c alike (one set of options): the first group's
+        # server update serves the federation, its state carrying the fields it reads.
+        update = self.groups[0].algorithm.server_update
+        self._absorb = jax.jit(lambda server, ids, soft, size: update(
+            server, {"soft": soft, "size": size},
+            RoundInfo(server.round, ids, jnp.full(ids.shape, 1.0 / ids.shape[0]), n)))
         self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
             lambda a, b: a.at[ids].set(b), all_, new))
 

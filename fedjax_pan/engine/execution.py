@@ -450,40 +450,32 @@ class VmapExecutor:
                     self._replicate(p.total_zeros(server, one_state, one_ctx)))
         blocks = self.blocks(cohort.steps)
         calls = (self._block_args(server, cohort, g) for g in blocks)
-        pool = None
+        pool = done = None
         if self.concurrent and len(blocks) > 1:
+            # Each block from zero sums, `workers` at a time, its sums added below in block
+            # order. The executor's first block runs alone: threads calling a program not
+            # compiled yet would each compile it.
             pool = concurrent.futures.ThreadPoolExecutor(self.workers)
 
             def one(args):
                 return jax.block_until_ready(self._run_block(*args, *zeros()))
-
-            # Each block from zero sums, `workers` at a time, its sums added in block order
-            # as the loop below adds them (only finished blocks' outputs are held). The
-            # executor's first block runs alone: threads calling a program not compiled yet
-            # would each compile it.
-            def run_blocks():
-                nonlocal out_sum, metrics
-                if self._compiled:
-                    done = pool.map(one, calls)
-                else:
-                    done = itertools.chain([one(next(calls))], pool.map(one, calls))
-                    self._compiled = True
-                for result, acc, new_states in done:
-                    first = metrics is None
-                    metrics = acc if first else self._add(metrics, acc)
-                    if not p.stacked:
-                        out_sum = result if first else self._add(out_sum, result)
-                    yield result, new_states
+            first = [] if self._compiled else [one(next(calls))]
+            self._compiled = True
+            done = itertools.chain(first, pool.map(one, calls))
         else:
-            def run_blocks():
-                nonlocal out_sum, metrics
-                out_sum, metrics = zeros()
-                for args in calls:
-                    result, metrics, new_states = self._run_block(*args, out_sum, metrics)
-                    out_sum = None if p.stacked else result
-                    yield result, new_states
+            # One block after another, each adding to the running sums it is given.
+            out_sum, metrics = zeros()
         try:
-            for g, (result, new_states) in zip(blocks, run_blocks()):
+            for g in blocks:
+                if done is None:
+                    result, metrics, new_states = self._run_block(*next(calls), out_sum,
+                                                                  metrics)
+                    out_sum = None if p.stacked else result
+                else:
+                    result, acc, new_states = next(done)
+                    metrics = acc if metrics is None else self._add(metrics, acc)
+                    if not p.stacked:
+                        out_sum = result if out_sum is None else self._add(out_sum, result)
                 if p.stacked:
                     for j, slot in enumerate(g):
                         if slot >= 0:
