@@ -240,6 +240,7 @@ def test_bad_arguments_give_one_error_line(tmp_path, capsys, argv, word):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow  # a script's smoke preset, trained end to end
 def test_universal_runs_every_algorithm_with_and_without_pans(tmp_path):
     from experiments import universal
     from fedjax_pan import experiment
@@ -325,6 +326,7 @@ def test_fed2_compare_reports_diverged_runs_apart():
     assert (f2["mean"], f2["std"], f2["diverged"], f2["upload_mib"]) == (0.5, 0.25, 0, 0.5)
 
 
+@pytest.mark.slow  # a script's smoke preset, trained end to end
 def test_alignment_methods_runs_and_tabulates_its_runs(tmp_path):
     from experiments import alignment_methods as am
     from fedjax_pan import experiment
@@ -458,6 +460,7 @@ def test_fields_added_at_their_default_keep_cached_seeds(tmp_path):
     assert common.seed_result(ctx, 0, vgg, lambda: {"value": 1.0}) == {"value": 1.0}
 
 
+@pytest.mark.slow  # a script's smoke preset, trained end to end
 def test_sweeps_pair_cells_with_their_reference(tmp_path):
     from experiments import sweeps
     out = str(tmp_path / "s")

@@ -107,6 +107,32 @@ def test_mobilenet_is_permutation_invariant_and_depthwise_convs_follow_their_inp
         assert spec.axes[("params", "block11_pw", "kernel")][2] == P.InGroup("block10_pw", 3, 2)
 
 
+@pytest.mark.parametrize("case", ["mlp", "vgg9_group", "resnet20", "grouped_vgg11"])
+def test_compiled_permutation_equals_numpy_take(case):
+    """Inside jit, axes are reordered by one flat gather (`_reorder_axis`): the result is
+    numpy's take / take_along_axis, for plain, in-group and 4-D conv axes."""
+    if case == "grouped_vgg11":
+        name, options, shape = GROUPED["vgg11"]
+        model = models.build(name, 10, **options)
+        variables = models.init(model, jax.random.PRNGKey(0), shape)
+    else:
+        name, norm = {"mlp": ("mlp", "batch"), "vgg9_group": ("vgg9", "group(4)"),
+                      "resnet20": ("resnet20", "batch")}[case]
+        model, variables = _model(name, norm)
+    spec = P.spec_for(model, variables)
+    rng = np.random.default_rng(3)
+    variables = jax.tree_util.tree_map(  # distinct entries, so any misplacement shows
+        lambda x: np.asarray(rng.normal(size=x.shape), np.float32), variables)
+    perms = P.random_permutations(spec, np.random.default_rng(1), p_sf=1.0)
+    want = P.apply_permutation(spec, perms, variables)  # numpy arrays: numpy's take
+    got = jax.jit(lambda v, p: P.apply_permutation(spec, p, v))(
+        jax.tree_util.tree_map(jnp.asarray, variables),
+        {k: jnp.asarray(v) for k, v in perms.items()})
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_spec_structure_of_vgg9_and_resnet20():
     model, variables = _model("vgg9", "batch")
     spec = P.spec_for(model, variables)

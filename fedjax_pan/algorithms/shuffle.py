@@ -42,21 +42,21 @@ def with_shuffling(algorithm: FederatedAlgorithm, spec: perm_lib.PermutationSpec
         identity = {k: jnp.arange(n) for k, n in spec.sizes.items()} if track_product else None
         return ShuffledLocal(inner, jax.random.fold_in(ctx.rng, 0x5F), prob, identity)
 
-    def shuffle(inner, perms):
+    def shuffle(inner, product, key):
+        perms = perm_lib.random_permutations_jax(spec, key, p_sf, window)
         variables = perm_lib.apply_permutation(spec, perms,
                                                {"params": inner.params, **inner.model_state})
-        return inner._replace(params=variables["params"],
-                              model_state={k: variables[k] for k in inner.model_state})
+        inner = inner._replace(params=variables["params"],
+                               model_state={k: variables[k] for k in inner.model_state})
+        return inner, (perm_lib.compose(product, perms) if track_product else product)
 
     def client_step(local, batch, server):
         rng, k_do, k_perm = jax.random.split(local.rng, 3)
         do = jax.random.uniform(k_do) <= local.prob
-        perms = perm_lib.random_permutations_jax(spec, k_perm, p_sf, window)
-        inner = jax.lax.cond(do, shuffle, lambda i, _: i, local.inner, perms)
-        product = local.product
-        if track_product:
-            product = jax.tree_util.tree_map(lambda new, old: jnp.where(do, new, old),
-                                             perm_lib.compose(product, perms), product)
+        # Alg. 1 is a sequential loop over each layer's neurons: drawn only on the steps
+        # that shuffle (about N_sf of a round's r_k), not on every step.
+        inner, product = jax.lax.cond(do, shuffle, lambda i, p, _: (i, p), local.inner,
+                                      local.product, k_perm)
         inner, metrics = algorithm.client_step(inner, batch, server)
         metrics = {**metrics, "shuffles": do.astype(jnp.float32)}
         return ShuffledLocal(inner, rng, local.prob, product), metrics
