@@ -319,6 +319,9 @@ def _algorithms_block(results: Results) -> tuple:
     rows.append(["fedavg + median", f"{med['seconds_per_round']:.3f}",
                  f"{med['vs_fedavg']:.2f}x",
                  f"stacked outputs {med['stacked_outputs_mib']:.1f}", ""])
+    for n_sf, a in r.get("shuffled", {}).items():
+        rows.append([f"fedavg + Alg. 2 shuffling (N_sf {n_sf}, P_sf 0.1)",
+                     f"{a['seconds_per_round']:.3f}", f"{a['vs_fedavg']:.2f}x", "", ""])
     lines = [_describe(r["workload"]),
              f"strategy {r['strategy']} (auto); training and aggregation, no evaluation; "
              "each algorithm with its default options"]

@@ -38,8 +38,10 @@ from benchmarks import profile_step, throughput
 from benchmarks.naive import NaiveFedAvg, engine_orders, max_rel_diff
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
+from fedjax_pan import permutation as perm_lib
 from fedjax_pan.models.grouped import GroupedConfig
 from fedjax_pan.algorithms import client_optimizer, fedavg, local, tree_bytes
+from fedjax_pan.algorithms.shuffle import with_shuffling
 from fedjax_pan.engine import (ClientData, LocalWork, Simulation, count_compiles,
                                make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.clients import real_examples
@@ -812,19 +814,32 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
             f"{rec['client_state_mib']:.1f} MiB")
     for rec in out.values():
         rec["vs_fedavg"] = rec["seconds_per_round"] / out["fedavg"]["seconds_per_round"]
+
+    def fedavg_variant(algorithm):
+        ex = make_executor(strategy, algorithm, w.work, w.data, w.variables, m_per)
+        sim = Simulation(algorithm, w.data, w.work, ex, m_per / w.data.num_clients,
+                         seed=settings.seed)
+        m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s)
+        seconds = summarize(m, w.flops_per_example, ceiling)["seconds_per_round"]
+        return {"seconds_per_round": seconds,
+                "vs_fedavg": seconds / out["fedavg"]["seconds_per_round"]}
+
+    plain = algo_lib.fedavg(w.model, client_tx)
     # A stacked rule (median) keeps every sampled client's output: M FedAvg deltas.
-    stacked = algo_lib.fedavg(w.model, client_tx)._replace(aggregator=algo_lib.median())
-    ex = make_executor(strategy, stacked, w.work, w.data, w.variables, m_per)
-    sim = Simulation(stacked, w.data, w.work, ex, m_per / w.data.num_clients,
-                     seed=settings.seed)
-    m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s)
-    median = {"seconds_per_round": summarize(m, w.flops_per_example, ceiling)[
-        "seconds_per_round"], "stacked_outputs_mib": m_per * tree_bytes(w.variables) / 2**20}
-    median["vs_fedavg"] = median["seconds_per_round"] / out["fedavg"]["seconds_per_round"]
+    median = {**fedavg_variant(plain._replace(aggregator=algo_lib.median())),
+              "stacked_outputs_mib": m_per * tree_bytes(w.variables) / 2**20}
     log(f"[algorithms] fedavg + median: {median['seconds_per_round']:.3f} s/round, "
         f"{median['stacked_outputs_mib']:.1f} MiB of stacked outputs")
+    # The PAN paper's shuffling during local training (Alg. 2, Fig. 5: P_sf = 0.1).
+    spec = perm_lib.spec_for(w.model, w.variables)
+    shuffled = {}
+    for n_sf in (1.0, 5.0):
+        shuffled[f"{n_sf:g}"] = fedavg_variant(with_shuffling(plain, spec, 0.1, n_sf))
+        log(f"[algorithms] fedavg + Alg. 2 shuffling, N_sf {n_sf:g}: "
+            f"{shuffled[f'{n_sf:g}']['seconds_per_round']:.3f} s/round")
     return {"strategy": strategy, "workload": w.describe(m_per), "algorithms": out,
-            "median_aggregation": median, "drivers": driver_rows(settings, w, cfg, strategy, log)}
+            "median_aggregation": median, "shuffled": shuffled,
+            "drivers": driver_rows(settings, w, cfg, strategy, log)}
 
 
 def driver_rows(settings: Settings, w: Workload, cfg: Any, strategy: str,

@@ -19,8 +19,8 @@ Presets:
            N_sf in {0.1, 0.2, 0.5, 1, 2, 5} (27 runs); R_kept of the local permutations for
            each N_sf (as experiments.r_kept, r = E * N_k / B steps)
   fig5_cpu fig5 at CPU length: alpha in {10, 0.1}, alpha = 10 with N_sf in {0.2, 1, 5},
-           H = 20, seeds 0 and 1 (10 runs; on 2 CPU cores 2 minutes a run, 6 with shuffling:
-           about 22 minutes a seed)
+           H = 20, seeds 0 and 1 (10 runs; on 2 CPU cores about 2 minutes a run, shuffled
+           or not: about 10 minutes a seed)
   default  fig10 at CPU length: alpha in {10, 0.1}, H = 30 (12 runs, about 40 minutes on
            2 CPU cores)
   smoke    synthetic data, a 16-wide MLP, K = 6, R = 0.5, 2 rounds, seeds 0 and 1

@@ -81,6 +81,11 @@ def test_every_section_is_present(quick):
     drivers = results["algorithms"]["drivers"]
     assert set(algos) | set(drivers["algorithms"]) == set(ALGORITHMS)
     assert algos["fedavg"]["vs_fedavg"] == 1.0
+    shuffled = results["algorithms"]["shuffled"]
+    assert set(shuffled) == {"1", "5"}
+    for a in shuffled.values():
+        assert a["vs_fedavg"] == pytest.approx(a["seconds_per_round"] /
+                                               algos["fedavg"]["seconds_per_round"])
     # FedMA's layers never shrink nor exceed the sampled clients' neurons; it sends its
     # layers up and, down, the model plus each matched layer and the assignments.
     fedma = drivers["algorithms"]["fedma"]
