@@ -295,9 +295,10 @@ def apply_permutation(spec: PermutationSpec, perms: Mapping[str, Any],
 def _reorder_axis(leaf: jax.Array, index: jax.Array, axis: int) -> jax.Array:
     """`leaf` reordered along `axis` by `index` (one entry per position on the axis, or
     leaf's full shape as for take_along_axis), as one gather from the flattened array.
-    A gather along an inner axis makes XLA lay its result out column-major, and a
-    permuted kernel carried through a compiled training loop then costs a transpose at
-    every step, taken or not (measured: +17 ms a step for one 1024 x 1024 kernel)."""
+    A gather along an inner axis makes XLA lay its result out column-major, and a kernel
+    carried through a compiled training loop then costs a transpose at every step, even
+    where the permutation sits in a branch rarely taken (measured on the PAN MLP: 27.6 ->
+    44.9 ms a step for one 1024 x 1024 kernel's columns)."""
     shape = leaf.shape
     along = [1] * leaf.ndim
     along[axis] = shape[axis]
