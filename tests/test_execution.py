@@ -45,7 +45,7 @@ def _reference(sim, algo, cd, variables, rounds=2):
 
 
 # GroupNorm has no state to average; BatchNorm (with its masked statistics) is the hard case.
-@pytest.mark.parametrize("norm", ["none", "batch"])
+@pytest.mark.parametrize("norm", [pytest.param("none", marks=pytest.mark.slow), "batch"])
 def test_strategies_match_the_sequential_reference(norm):
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg(norm=norm, pan=PANConfig("mul", 1.0, 0.2))
