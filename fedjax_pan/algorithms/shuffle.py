@@ -6,7 +6,7 @@ each permutation drawn by Alg. 1 with swap probability P_sf. The model (paramete
 BatchNorm statistics) is permuted; the optimiser state is not, as when a PyTorch model's
 weights are permuted in place. Each round logs `train_shuffles`, the shuffles applied
 over all its clients; with `track_product` the local state also keeps the product of the
-permutations applied (for tests and analyses; it costs a composition per step).
+permutations applied (for tests and analyses; a composition per shuffle).
 
 Works for any algorithm whose local state has `params` and `model_state` fields.
 """
