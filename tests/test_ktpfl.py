@@ -237,6 +237,14 @@ def _mixed_config(**changes):
     return config(**{**base, **changes})
 
 
+def test_more_architectures_than_clients_is_a_config_error():
+    from fedjax_pan import experiment
+    with pytest.raises(experiment.ConfigError,
+                       match="config.ktpfl: architectures lists 3 models for 2 clients"):
+        experiment.build(_mixed_config(partition__num_clients=2,
+                                       ktpfl__architectures="mlp; mlp(hidden=(8,)); cnn"))
+
+
 @pytest.mark.slow
 def test_config_runs_mixed_networks_and_scores_each_on_its_own(tmp_path):
     """From a config: the driver runs; the logged personal accuracy is every client's own

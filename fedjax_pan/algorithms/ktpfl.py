@@ -54,12 +54,15 @@ from fedjax_pan.rules import Rule, between, boolean
 PyTree = Any
 
 
+def _spec_texts(text: str) -> List[str]:
+    """The model specs written in `text`, separated by ';' ('': none)."""
+    specs = [s.strip() for s in str(text).split(";")]
+    return [] if specs == [""] else specs
+
+
 def parse_architectures(text: str) -> List[Tuple[str, Dict[str, Any]]]:
     """The model specs (`models.parse_spec`) of `text`, separated by ';' ('': none)."""
-    specs = [s.strip() for s in str(text).split(";")]
-    if specs == [""]:
-        return []
-    return [models.parse_spec(s) for s in specs]
+    return [models.parse_spec(s) for s in _spec_texts(text)]
 
 
 def _architectures_rule(value: Any) -> Optional[str]:
@@ -435,23 +438,19 @@ def mixed_from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTrans
     from the seed's key as the config's model does, architecture a > 0 from the key
     folded with a; PANs as the config sets them."""
     del model
-    specs = parse_architectures(cfg.ktpfl.architectures)
+    specs = _spec_texts(cfg.ktpfl.architectures)
     if not specs:
         return None
-    num_classes = int(data.label_counts.shape[1])
-    pan = None if not cfg.pan.amplitude else cfg.pan.to_dict()
-    nets, initial = [], []
-    key = jax.random.PRNGKey(cfg.seed)
-    for a, (name, options) in enumerate(specs):
-        options = dict(options)
-        norm = options.pop("norm", cfg.model.norm)
-        nets.append(models.build(name, num_classes, pan=pan, norm=norm, **options))
-        initial.append(models.init(nets[-1], key if a == 0 else jax.random.fold_in(key, a),
-                                   tuple(data.images.shape[1:])))
     n = data.num_clients
     if n < len(specs):
         raise ValueError(f"architectures lists {len(specs)} models for {n} clients: every "
                          "architecture needs a client")
+    num_classes = int(data.label_counts.shape[1])
+    pan = None if not cfg.pan.amplitude else cfg.pan.to_dict()
+    nets = [models.from_spec(s, num_classes, pan=pan, norm=cfg.model.norm) for s in specs]
+    key = jax.random.PRNGKey(cfg.seed)
+    initial = [models.init(net, key if a == 0 else jax.random.fold_in(key, a),
+                           tuple(data.images.shape[1:])) for a, net in enumerate(nets)]
     return KtMixed(nets, initial, np.arange(n) % len(specs), client_tx, data, work, public,
                    _distill_share(cfg), cfg.participation, cfg.seed, cfg.execution.strategy,
                    cfg.execution.block_size, _options(cfg))
