@@ -64,13 +64,14 @@ class Settings:
     seeds: Tuple[int, ...] = (0, 1, 2)  # figures show the first
 
 
+_PAPER = Settings(setup=FLSetup(alpha=1.0, epochs=20.0, rounds=20), local_epochs=None,
+                  preference_samples=10_000)
 PRESETS = MappingProxyType({
-    "paper": Settings(setup=FLSetup(alpha=1.0, epochs=20.0, rounds=20), local_epochs=None,
-                      preference_samples=10_000),
+    "paper": _PAPER,
     # The paper's lengths (H = 20 rounds of E = 20, then E = 20 on the analysed client) on
     # a 10,000-example subset: the full set takes about 2.7 h a seed on 2 cores.
-    "cpu": Settings(setup=FLSetup(train_limit=10_000, alpha=1.0, epochs=20.0, rounds=20),
-                    local_epochs=None, preference_samples=10_000),
+    "cpu": dataclasses.replace(_PAPER, setup=dataclasses.replace(_PAPER.setup,
+                                                                 train_limit=10_000)),
     "default": Settings(),
     "smoke": Settings(setup=FLSetup(dataset="synthetic", hidden=(64, 64, 64), num_clients=4,
                                     alpha=1.0, epochs=1.0, rounds=2, warmup="none",
