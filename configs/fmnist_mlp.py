@@ -45,6 +45,9 @@ def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
         c.eval.batch_size = 2000
         c.optimizer.warmup = "none"
         c.checkpoint_every = 1
+        # Phases taken out of local.epochs = 1, so `--config.algorithm=fedrep` (or ktpfl)
+        # runs on this preset as it is.
+        c.fedrep.head_epochs = c.ktpfl.distill_epochs = 0.5
     else:
         raise ValueError(f"unknown preset {preset!r} for configs/fmnist_mlp.py; expected "
                          f"one of {', '.join(PRESETS)}")

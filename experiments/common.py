@@ -111,7 +111,9 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
                argv: Optional[Sequence[str]] = None) -> int:
     """Parses arguments, prepares --out, calls run(settings, ctx), prints its summary lines.
 
-    Returns the exit status (0, or 2 after one `error:` line for bad input).
+    Returns the exit status: 0, or after one `error:` line 2 for bad input, 3 when a run
+    diverges where the script cannot go on, 4 for a workdir fault, 130 / 143 on SIGINT /
+    SIGTERM (the run in progress saves its last round first; --resume continues).
     """
     from fedjax_pan import data as data_lib
     from fedjax_pan import workdir
@@ -135,25 +137,32 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
     ctx = Context(args.out, args.seed or 0, args.preset, args.progress, args.resume)
     start = time.time()
     try:
-        # The library's workdir semantics: --overwrite replaces the old results only once
-        # this run has written its own.
-        with workdir.claim(args.out, overwrite=args.overwrite, resume=args.resume):
-            lines = run(settings, ctx)
-            seconds = time.time() - start
-            write_json(ctx.path("run_info.json"), {
-                "script": module, "preset": args.preset, "seed": ctx.seed,
-                "seconds": seconds,
-                "settings": dataclasses.asdict(settings) if dataclasses.is_dataclass(settings)
-                else settings})
+        # SIGTERM (a scheduler's time limit) unwinds as Ctrl-C does: the run in progress
+        # saves its last round, and `claim` says what is kept and how to continue.
+        with workdir.sigterm_unwinds():
+            # The library's workdir semantics: --overwrite replaces the old results only
+            # once this run has written its own.
+            with workdir.claim(args.out, overwrite=args.overwrite, resume=args.resume):
+                lines = run(settings, ctx)
+                seconds = time.time() - start
+                write_json(ctx.path("run_info.json"), {
+                    "script": module, "preset": args.preset, "seed": ctx.seed,
+                    "seconds": seconds,
+                    "settings": dataclasses.asdict(settings)
+                    if dataclasses.is_dataclass(settings) else settings})
+            for line in lines:
+                print(line)
+            print(f"{module} ({args.preset}): {seconds:.1f} s, results in {args.out}")
     except data_lib.DataError as e:  # e.g. Fashion-MNIST not installed
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except RunError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.status
-    for line in lines:
-        print(line)
-    print(f"{module} ({args.preset}): {seconds:.1f} s, results in {args.out}")
+    except KeyboardInterrupt as e:  # after the results were written: they are complete
+        print(f"error: interrupted; the results in {args.out} are complete",
+              file=sys.stderr)
+        return 128 + workdir.signal_number(e)
     return 0
 
 
@@ -203,7 +212,9 @@ def train_run(cfg: Any, run_dir: str, ctx: Context, desc: str) -> Tuple[Dict[str
     if ctx.resume and started and workdir.read_config(run_dir) == json.loads(cfg.to_json()):
         if os.path.isfile(diverged_path):
             return nan, True
-        if os.path.isfile(summary_path):
+        # A run finished once its summary is written (after its curve; an older version
+        # wrote the curve last: a run without one is finished again, which redraws it).
+        if os.path.isfile(summary_path) and os.path.isfile(os.path.join(run_dir, "curve.png")):
             with open(summary_path) as f:
                 summary = json.load(f)
             if summary.get("rounds") == cfg.rounds:

@@ -7,13 +7,16 @@ class RunError(Exception):
     """A run that could not finish; `str(e)` is one line saying what happened and what is safe."""
 
     status = 1
+    # Whether the run can continue from what it saved (`workdir.claim` then says how).
+    resumable = False
 
     def __init__(self, message: str):
         super().__init__(message)
         self.message = " ".join(str(message).split())
+        self.advice = ""  # how to go on, set by whoever knows (the outermost workdir claim)
 
     def __str__(self) -> str:
-        return self.message
+        return f"{self.message}; {self.advice}" if self.advice else self.message
 
     def add(self, text: str) -> None:
         """Appends what a caller knows (e.g. where replaced results were kept)."""
@@ -40,6 +43,8 @@ class WorkdirError(RunError):
 
 class Interrupted(RunError):
     """SIGINT or SIGTERM; the status is 128 + the signal number, as shells report it."""
+
+    resumable = True
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)

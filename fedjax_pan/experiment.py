@@ -151,8 +151,9 @@ def public_split(num_train: int, public_size: int, seed: int
     if public_size <= 0:
         return np.zeros(0, np.int64), np.arange(num_train)
     if public_size >= num_train:
-        raise ConfigError(f"config.dataset.public_size={public_size} must be below the "
-                          f"{num_train} training examples")
+        raise ConfigError(f"{public_size} public examples (config.dataset.public_size, or "
+                          f"the algorithm's default where it is 0) must be fewer than the "
+                          f"{num_train} training examples: set dataset.public_size")
     perm = np.random.default_rng([seed, 0x9B]).permutation(num_train)
     return np.sort(perm[:public_size]), np.sort(perm[public_size:])
 
@@ -162,6 +163,7 @@ def build(cfg: ml_collections.ConfigDict,
     """Everything a run needs, from a config (validated here); `cache` shares loaded data."""
     validate(cfg)
     ds = _load_dataset(cfg, cache)
+    _check(ds.num_test > 0, f"the {ds.name} test set is empty: nothing to evaluate on")
     p = cfg.partition
     if p.scheme == "natural":
         # The data decide the clients (FEMNIST: its sampled writers); say how many there are.
@@ -174,9 +176,11 @@ def build(cfg: ml_collections.ConfigDict,
     _check(p.num_clients <= ds.num_train,
            f"config.partition.num_clients={p.num_clients} exceeds the {ds.num_train} "
            "training examples")
-    public_rows, kept = public_split(ds.num_train, cfg.dataset.public_size, cfg.seed)
+    public_rows, kept = public_split(
+        ds.num_train, algorithms.registry.public_size(cfg, ds.num_train), cfg.seed)
     _check(len(kept) >= p.num_clients,
-           f"config.dataset.public_size={cfg.dataset.public_size} leaves {len(kept)} training "
+           f"{len(public_rows)} public examples (config.dataset.public_size) leave {len(kept)} "
+           f"training "
            f"examples for {p.num_clients} clients")
     try:
         groups = None if ds.train_groups is None else np.asarray(ds.train_groups)[kept]
@@ -195,9 +199,12 @@ def build(cfg: ml_collections.ConfigDict,
     try:
         model = models.build(cfg.model.name, ds.num_classes, pan=pan, norm=cfg.model.norm,
                              **cfg.model.options.to_dict())
+        variables = models.init(model, jax.random.PRNGKey(cfg.seed), ds.input_shape)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"config.model.options {cfg.model.options.to_dict()}: {e}") from None
-    variables = models.init(model, jax.random.PRNGKey(cfg.seed), ds.input_shape)
+        # The first line: JAX appends a paragraph on its filtered traceback frames.
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config.model.options {cfg.model.options.to_dict()} "
+                          f"({cfg.model.name} on {ds.name}): {why}") from None
     train_x, test_x = _normalized(cfg, ds, cache)
     client_data = ClientData.create(train_x, ds.train_labels, parts, ds.num_classes)
     work = LocalWork(cfg.local.batch_size, cfg.local.epochs, cfg.local.mode,
@@ -220,8 +227,13 @@ def build(cfg: ml_collections.ConfigDict,
             **({"public": public} if entry.public else {}))
         algorithm = None if simulation is not None else algorithms.from_config(
             model, cfg, public=public)
+        if algorithm is not None:
+            # Options checked against the model's layers fail here, not in round 1.
+            jax.eval_shape(lambda v: algorithm.client_state_init(algorithm.server_init(v)),
+                           variables)
     except ValueError as e:
-        raise ConfigError(f"config.{cfg.algorithm}: {e}") from None
+        why = str(e).strip().splitlines()[0]
+        raise ConfigError(f"config.{cfg.algorithm}: {why}") from None
     if simulation is not None:
         _check(cfg.shuffle.n_sf == 0, f"config.shuffle.n_sf > 0 (Alg. 2) is not available "
                f"with algorithm {cfg.algorithm!r} as configured: set shuffle.n_sf=0")
@@ -289,15 +301,21 @@ def check_workdir(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool,
 
 
 def _read_metrics(path: str, up_to_round: int) -> List[Dict[str, Any]]:
+    """The rows of `path` up to `up_to_round`; ConfigError naming the line when one is cut
+    short (a crash or a full disk) and nothing else holds the rows."""
     if not os.path.exists(path):
         return []
     rows = []
     with open(path) as f:
-        for line in f:
+        for n, line in enumerate(f, start=1):
             try:
                 rows.append(json.loads(line))
-            except ValueError:  # a line cut short by a crash or a full disk
-                continue
+            except ValueError:
+                raise ConfigError(
+                    f"line {n} of {path} is cut short and the checkpoint to resume from "
+                    f"(written by an older version) holds no copy of the metrics: delete that "
+                    f"line and the ones after it to resume without their rounds, or start "
+                    f"again with --overwrite") from None
     return [r for r in rows if r["round"] <= up_to_round]
 
 
@@ -424,6 +442,19 @@ def _divergence(loss: float, cfg: ml_collections.ConfigDict) -> Optional[str]:
     return f"training loss {loss:.4g} {why}"
 
 
+def _divergence_advice(cfg: ml_collections.ConfigDict) -> str:
+    """What to change after a diverged run: the learning rate, or the algorithm's options
+    that were set away from their defaults (the likelier cause when there are any)."""
+    defaults = algorithms.ALGORITHMS[cfg.algorithm].options
+    own = cfg.get(cfg.algorithm) or {}
+    changed = [f"{cfg.algorithm}.{k}={own[k]!r}" for k in defaults
+               if k in own and own[k] != defaults[k]]
+    advice = "lower optimizer.lr or optimizer.grad_clip"
+    if changed:
+        advice = f"check {', '.join(changed)} (changed from the default), or {advice}"
+    return advice
+
+
 def evaluate_clients(exp: Experiment, state: SimState, net: Any, global_variables: Any
                      ) -> Dict[str, float]:
     """Each client's own model (or the global one) on its own test part: the PFLlib
@@ -495,23 +526,27 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
 
     def safe() -> str:
         if last_saved:
-            return (f"{workdir} holds rounds 1-{last_saved} (checkpoint of round "
-                    f"{last_saved}); free space and continue with --resume")
-        return "no round was saved; free space and run the command again"
+            return (f"{workdir} holds {workdir_lib.rounds_text(last_saved)} (checkpoint of "
+                    f"round {last_saved}); free space")
+        return "no round of it was saved; free space"
 
     with count_compiles() as compiles:
         state = exp.simulation.init(exp.variables)
         with workdir_lib.writing(f"checkpoints in {workdir}", safe):
             ckpt = workdir_lib.Checkpoints(workdir)
         counters: Dict[str, Any] = {}
+        metrics_path = os.path.join(workdir, "metrics.jsonl")
+        rows: Optional[List[Dict[str, Any]]] = None
         if resume and ckpt.latest() is not None:
             tree, counters = ckpt.restore(ckpt.latest(), (state.server, state.client_states),
                                           saved_shapes=exp.simulation.shapes_change)
             state = SimState(*tree, ckpt.latest())
             last_saved = state.round
+            # The checkpoint's own record: metrics.jsonl may end in a line a crash cut.
+            rows = ckpt.metrics(state.round)
         run = _Run(counters, exp.setup_compiles)
-        metrics_path = os.path.join(workdir, "metrics.jsonl")
-        rows = _read_metrics(metrics_path, state.round)
+        if rows is None:
+            rows = _read_metrics(metrics_path, state.round)
         with workdir_lib.writing(f"{workdir}/config.json", safe):
             workdir_lib.write_atomic(os.path.join(workdir, "config.json"), cfg.to_json(indent=2))
             # drops rows past the restored checkpoint
@@ -523,7 +558,8 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             nonlocal last_saved, saved_totals
             totals = run.totals()
             with workdir_lib.writing(f"the checkpoint of round {s.round}", safe):
-                ckpt.save(s.round, (s.server, s.client_states), totals)
+                ckpt.save(s.round, (s.server, s.client_states), totals,
+                          [r for r in rows if r["round"] <= s.round])
             last_saved, saved_totals = s.round, totals
 
         # Client k's expected accuracy on a test set with its own label mix (eval.local).
@@ -545,7 +581,7 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                             f"{ckpt.directory}" if last_saved else
                             "no round completed, so nothing was kept")
                     raise TrainingDiverged(f"training diverged in round {r}: {why}; {kept}; "
-                                           "lower optimizer.lr or optimizer.grad_clip")
+                                           f"{_divergence_advice(cfg)}")
                 row = None
                 if r % cfg.eval.every == 0 or r == cfg.rounds:
                     net, evaluated = exp.simulation.evaluation(new_state.server)
@@ -587,8 +623,9 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             with workdir_lib.deferred_interrupts():  # a second Ctrl-C must not cut the save
                 if state.round > last_saved:
                     save(state)
-            done = (f"rounds 1-{state.round} are saved in {workdir}; continue with --resume"
-                    if state.round else "no round was saved; run the command again")
+            done = (f"{workdir_lib.rounds_text(state.round)} "
+                    f"{'is' if state.round == 1 else 'are'} saved in {workdir}"
+                    if state.round else "no round of it was saved")
             raise workdir_lib.interrupted(e, f"interrupted in round {state.round + 1}; "
                                           f"{done}") from None
         finally:
@@ -604,11 +641,14 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                "compiles": totals["compiles"],
                "compiles_after_first_round": totals["compiles_after_first_round"],
                "processes": totals["processes"]}
-    with workdir_lib.writing(f"the summary of {workdir}", safe):
-        workdir_lib.write_atomic(os.path.join(workdir, "summary.json"),
-                                 json.dumps(summary, indent=2))
+    # summary.json marks a finished run (scripts read it back on --resume), so it comes
+    # after the curve, and a signal waits until both are written.
+    with workdir_lib.deferred_interrupts(), \
+            workdir_lib.writing(f"the summary of {workdir}", safe):
         plot_curves({desc or "run": rows}, os.path.join(workdir, "curve.png"),
                     f"{cfg.model.name} on {cfg.dataset.name}")
+        workdir_lib.write_atomic(os.path.join(workdir, "summary.json"),
+                                 json.dumps(summary, indent=2))
     return summary
 
 
@@ -676,8 +716,9 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
         csv += [f"{name},{s['final_accuracy']:.6f},{s['best_accuracy']:.6f},"
                 f"{s['final_loss']:.6f},{s['rounds']},{s['wall_seconds']:.1f}\n"
                 for name, s in summaries.items()]
-        with workdir_lib.writing(f"the comparison in {workdir}",
-                                 lambda: f"each variant's results are complete in {workdir}"):
+        with workdir_lib.deferred_interrupts(), \
+                workdir_lib.writing(f"the comparison in {workdir}",
+                                    lambda: f"each variant's results are complete in {workdir}"):
             plot_curves(curves, os.path.join(workdir, "curves.png"),
                         f"{cfg.model.name} on {cfg.dataset.name}", groups=groups)
             workdir_lib.write_atomic(os.path.join(workdir, "comparison.json"),

@@ -1,6 +1,8 @@
 """Command line: python -m fedjax_pan.main --config=FILE[:preset] [--config.KEY=VALUE ...] --workdir=DIR
 
-Runs a config (or each of its variants) into DIR. A non-empty DIR is refused unless
+Runs a config (or each of its variants) into DIR; --config.model.options.KEY=VALUE sets
+any option of the model (a Python literal, e.g. `"{'groups': 10, 'depth': 6}"` for
+`grouped`), whether or not the config file names it. A non-empty DIR is refused unless
 --resume (continue from its last checkpoint) or --overwrite (replace it once the new run
 succeeds). Every way a run can end early prints one `error:` line and exits with:
 2 invalid input (config value, workdir request, data), 3 training diverged, 4 the workdir
@@ -10,20 +12,23 @@ could not be written or read back, 130/143 interrupted by SIGINT/SIGTERM (resuma
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import sys
 import tempfile
 import time
 import traceback
-from typing import List, Optional
+from typing import Any, List, Optional, Tuple
 
 from absl import flags
 from ml_collections import config_flags
 
 USAGE = ("usage: python -m fedjax_pan.main --config=configs/FILE.py[:preset] "
-         "[--config.KEY=VALUE ...] --workdir=DIR [--resume | --overwrite] [--noprogress]")
+         "[--config.KEY=VALUE ...] [--config.model.options.KEY=VALUE ...] --workdir=DIR "
+         "[--resume | --overwrite] [--noprogress]")
 _OVERRIDE = re.compile(r"^--?config\.([^=]+)")
+_MODEL_OPTION = re.compile(r"^--?config\.model\.options\.([A-Za-z_][\w.]*)(?:=(.*))?$", re.S)
 
 
 def _flags(argv: List[str]) -> flags.FlagValues:
@@ -89,6 +94,39 @@ def _missing_key(argv: List[str], e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
+def _model_options(argv: List[str]) -> Tuple[List[str], List[Tuple[str, Any]]]:
+    """argv without its --config.model.options.KEY=VALUE overrides, and those as (KEY,
+    value). The model's options are free-form (each model takes its own), so they are set
+    here rather than by config_flags, which only overrides keys the config file holds;
+    values are Python literals (`(200, 200)`, `{'groups': 10, 'depth': 6}`), else text."""
+    rest, options = [argv[0]], []
+    args = iter(argv[1:])
+    for arg in args:
+        m = _MODEL_OPTION.match(arg)
+        if m is None:
+            rest.append(arg)
+            continue
+        text = m.group(2) if m.group(2) is not None else next(args, "")
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            value = text
+        options.append((m.group(1), value))
+    return rest, options
+
+
+def _set_model_options(cfg: Any, options: List[Tuple[str, Any]]) -> None:
+    with cfg.unlocked():
+        for key, value in options:
+            *parents, leaf = key.split(".")
+            node = cfg.model.options
+            for part in parents:
+                if part not in node or not hasattr(node[part], "keys"):
+                    node[part] = {}
+                node = node[part]
+            node[leaf] = value
+
+
 def _unexpected(e: BaseException) -> int:
     path = os.path.join(tempfile.gettempdir(),
                         f"fedjax_pan-error-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
@@ -104,7 +142,7 @@ def _unexpected(e: BaseException) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    argv = list(sys.argv if argv is None else argv)
+    argv, options = _model_options(list(sys.argv if argv is None else argv))
     fv = _flags(argv)
     try:
         unknown = _unknown_override(argv)
@@ -114,6 +152,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         cfg = fv.config
         if cfg is not None:
             cfg.to_json()  # config files load lazily: surface their errors here
+            _set_model_options(cfg, options)
     except flags.Error as e:
         return _error(e)
     except KeyboardInterrupt:

@@ -10,10 +10,19 @@ from typing import Any, Callable, Optional, Sequence
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
-    """`check(value)` returns None when valid, else what the value must be."""
+    """`check(value)` returns None when valid, else what the value must be.
+
+    A numeric rule (`between`) also carries its range as data: `lo` <= value <= `hi`
+    (strict where `lo_open` / `hi_open`), a missing bound being -inf / +inf. Other rules
+    leave `lo` and `hi` None, so `rule.hi is not None` tells a numeric rule.
+    """
 
     check: Callable[[Any], Optional[str]]
     optional: bool = False  # None (an unset placeholder) is allowed
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
 
 
 def _number(value: Any, integer: bool) -> Optional[str]:
@@ -27,12 +36,15 @@ def _number(value: Any, integer: bool) -> Optional[str]:
 
 
 def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+    # Whole numbers in full (a uint32 seed bound exactly), very large ones as 1e+30.
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e10 else f"{x:g}"
 
 
 def between(lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: bool = False,
             hi_open: bool = False, integer: bool = False, optional: bool = False) -> Rule:
     """A finite number in [lo, hi] (open ends where asked), optionally an integer."""
+    if lo is None and hi is None:
+        raise ValueError("between needs a lower or an upper bound")
     lb = "(" if lo_open else "["
     rb = ")" if hi_open else "]"
     kind = "an integer" if integer else "a number"
@@ -51,7 +63,8 @@ def between(lo: Optional[float] = None, hi: Optional[float] = None, *, lo_open: 
         if hi is not None and (value >= hi if hi_open else value > hi):
             return want
         return None
-    return Rule(check, optional)
+    return Rule(check, optional, -math.inf if lo is None else lo,
+                math.inf if hi is None else hi, lo_open, hi_open)
 
 
 def one_of(options: Sequence[str], optional: bool = False) -> Rule:

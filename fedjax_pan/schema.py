@@ -41,57 +41,64 @@ def _norm(value: Any) -> Optional[str]:
     return None
 
 
+# Every numeric rule has finite bounds (tests/test_schema.py checks): wide enough for every
+# value the papers and PFLlib use, narrow enough for float32 and for a run that ends within
+# a day on a CPU. Counts of examples are capped at 1e9 (no dataset here nears it), other
+# counts at 1e6 or less; a positive lower bound stands where a tiny value breaks the
+# arithmetic (float32 divisions by it: temperatures, FedDyn's alpha; Dirichlet draws).
 RULES: Dict[str, Rule] = {
     "seed": between(0, SEED_MAX, integer=True),
-    "rounds": between(1, integer=True),
+    "rounds": between(1, 1e6, integer=True),
     "participation": between(0, 1, lo_open=True),
     "algorithm": one_of(tuple(ALGORITHMS)),
     "dataset.name": one_of(DATASETS + ("synthetic",)),
     "dataset.data_dir": Rule(directory, optional=True),
-    "dataset.train_limit": between(1, integer=True, optional=True),
-    "dataset.public_size": between(0, integer=True),
+    "dataset.train_limit": between(1, 1e9, integer=True, optional=True),
+    "dataset.public_size": between(0, 1e9, integer=True),
     "dataset.augment": one_of(AUGMENTS),
     "dataset.normalization": one_of(NORMALIZATIONS),
     "model.name": one_of(models.NAMES),
     "model.norm": Rule(_norm, optional=True),
     "pan.kind": one_of(KINDS),
-    "pan.period": between(0),
-    "pan.amplitude": between(0),
+    "pan.period": between(0, 1e4),
+    "pan.amplitude": between(0, 10),
     "pan.ratio": between(0, 1),
     "partition.scheme": one_of(SCHEMES),
-    "partition.num_clients": between(1, integer=True),
-    "partition.alpha": between(0, lo_open=True, optional=True),
-    "partition.classes_per_client": between(1, integer=True, optional=True),
-    "partition.min_size": between(1, integer=True, optional=True),
+    "partition.num_clients": between(1, 1e6, integer=True),
+    # numpy's Dirichlet proportions are finite at 1e-3 (a class whose column underflows is
+    # split evenly); smaller values change nothing, each client already holds ~one class.
+    "partition.alpha": between(1e-3, 1e4, optional=True),
+    "partition.classes_per_client": between(1, 1e4, integer=True, optional=True),
+    "partition.min_size": between(1, 1e9, integer=True, optional=True),
     "partition.balance": Rule(boolean),
     "partition.test_fraction": between(0, 1, hi_open=True),
-    "local.epochs": between(0, lo_open=True),
-    "local.batch_size": between(1, integer=True),
+    "local.epochs": between(0, 1000, lo_open=True),
+    "local.batch_size": between(1, 1e6, integer=True),
     "local.mode": one_of(STEP_MODES),
-    "local.local_steps": between(1, integer=True, optional=True),
-    "optimizer.lr": between(0, lo_open=True),
+    "local.local_steps": between(1, 1e6, integer=True, optional=True),
+    "optimizer.lr": between(0, 100, lo_open=True),
     "optimizer.momentum": between(0, 1, hi_open=True),
-    "optimizer.weight_decay": between(0),
-    "optimizer.grad_clip": between(0),
+    "optimizer.weight_decay": between(0, 10),
+    "optimizer.grad_clip": between(0, 1e6),
     "optimizer.warmup": one_of(WARMUPS),
-    "optimizer.warmup_length": between(0, integer=True),
+    "optimizer.warmup_length": between(0, 1e6, integer=True),
     "server.optimizer": one_of(SERVER_OPTIMIZERS),
-    "server.lr": between(0, lo_open=True),
+    "server.lr": between(0, 100, lo_open=True),
     "server.momentum": between(0, 1, hi_open=True),
     "aggregation.weights": one_of(AGGREGATIONS),
     "aggregation.bn": one_of(BN_MODES),
     "aggregation.rule": one_of(AGGREGATION_RULES),
     "aggregation.trim": between(0, 0.5, hi_open=True),
     "execution.strategy": one_of(STRATEGIES),
-    "execution.block_size": between(1, integer=True, optional=True),
-    "eval.every": between(1, integer=True),
-    "eval.batch_size": between(1, integer=True),
+    "execution.block_size": between(1, 1e5, integer=True, optional=True),
+    "eval.every": between(1, 1e6, integer=True),
+    "eval.batch_size": between(1, 1e6, integer=True),
     "eval.local": Rule(boolean),
-    "shuffle.n_sf": between(0),
+    "shuffle.n_sf": between(0, 1000),
     "shuffle.p_sf": between(0, 1),
     "shuffle.window": between(0, 1, lo_open=True, optional=True),
-    "checkpoint_every": between(1, integer=True),
-    "max_train_loss": between(0, lo_open=True),
+    "checkpoint_every": between(1, 1e6, integer=True),
+    "max_train_loss": between(0, 1e30, lo_open=True),  # float32 losses reach 3.4e38
 }
 # Each algorithm's options, config.<algorithm>.<key>, with the rules it declares.
 RULES.update({f"{name}.{key}": rule for name, entry in ALGORITHMS.items()
@@ -163,6 +170,18 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
     for name, overrides in (cfg.get("variants") or {}).items():
         need(isinstance(overrides, (dict, ml_collections.ConfigDict)),
              f"config.variants.{name} must map config keys to values, got {overrides!r}")
+    entry = ALGORITHMS[cfg.algorithm]
+    # Without a test part per client, a personalised algorithm's models are never scored:
+    # its run would report an untrained or a FedAvg model under its name.
+    need(not entry.personal or p.test_fraction > 0,
+         f"config.partition.test_fraction must be > 0 for algorithm {cfg.algorithm!r}: it "
+         f"trains a model per client, scored on each client's own test part (PFLlib: "
+         f"--config.partition.test_fraction=0.25), got {p.test_fraction!r}")
+    if entry.check is not None:
+        try:
+            entry.check(cfg)
+        except ValueError as e:
+            raise ConfigError(f"config.{e}") from None
 
 
 def known_keys() -> List[str]:

@@ -73,7 +73,9 @@ def writing(what: str, safe: Callable[[], str]) -> Iterator[None]:
             raise
         reason = err.strerror or str(err)
         where = f" ({err.filename})" if getattr(err, "filename", None) else ""
-        raise WorkdirError(f"cannot write {what}: {reason}{where}; {safe()}") from e
+        error = WorkdirError(f"cannot write {what}: {reason}{where}; {safe()}")
+        error.resumable = True  # once the fault is fixed
+        raise error from e
 
 
 def write_atomic(path: str, text: str) -> None:
@@ -113,6 +115,23 @@ def raise_on_sigterm() -> None:
 
 
 @contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """`raise_on_sigterm` inside the block; the previous handler afterwards (a batch
+    scheduler's time limit is a SIGTERM: the run in progress saves its round)."""
+    try:
+        old = signal.getsignal(signal.SIGTERM)
+    except ValueError:
+        old = None
+    raise_on_sigterm()
+    try:
+        yield
+    finally:
+        if old is not None:
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
     """SIGINT/SIGTERM inside the block take effect when it ends, so its writes complete."""
     pending: List[int] = []
@@ -140,6 +159,11 @@ def interrupted(e: BaseException, message: str) -> Interrupted:
 # ----------------------------------------------------------------------------------------
 # Checking and claiming a workdir.
 # ----------------------------------------------------------------------------------------
+
+def rounds_text(last: int) -> str:
+    """'round 1' or 'rounds 1-N'."""
+    return "round 1" if last == 1 else f"rounds 1-{last}"
+
 
 def saved_rounds(workdir: str) -> List[int]:
     """Rounds with a finished checkpoint in `workdir` (orbax names them by step)."""
@@ -217,7 +241,12 @@ def claim(workdir: str, *, overwrite: bool = False, resume: bool = False) -> Ite
     try:
         yield
     except BaseException as e:
-        if resume or _made_progress(workdir):
+        kept = resume or _made_progress(workdir)
+        if isinstance(e, KeyboardInterrupt):  # a signal outside a round: say what is kept
+            e = Interrupted("interrupted; " + (f"{workdir} keeps the rounds saved so far"
+                                               if kept else "nothing was saved"),
+                            signal_number(e))
+        if kept:
             if aside is not None:
                 _note(e, f"the results it was replacing are kept in {aside}")
         else:  # nothing of this run is worth keeping: leave the workdir as it was
@@ -230,6 +259,13 @@ def claim(workdir: str, *, overwrite: bool = False, resume: bool = False) -> Ite
             if aside is not None:
                 os.rename(aside, workdir)
                 _note(e, f"{workdir} holds its earlier results, unchanged")
+        # Only here is it known whether the same command can simply run again, or must
+        # continue what this one kept (another run's rounds may be kept beside it); an
+        # enclosing claim (a script's folder around one of its runs) knows best.
+        if isinstance(e, RunError) and e.resumable:
+            e.advice = "continue with --resume" if kept else "run the command again"
+        if e is not sys.exc_info()[1]:
+            raise e from None
         raise
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
@@ -314,8 +350,11 @@ class Checkpoints:
     def latest(self) -> Optional[int]:
         return self.manager.latest_step()
 
-    def save(self, step: int, tree: Any, counters: Dict[str, Any]) -> None:
-        """Saves `tree` as round `step`; a full disk raises OSError(ENOSPC) (no partial save).
+    def save(self, step: int, tree: Any, counters: Dict[str, Any],
+             metrics: Optional[List[Dict[str, Any]]] = None) -> None:
+        """Saves `tree` as round `step`, with the run's counters and its metrics rows up to
+        `step` (the record `metrics.jsonl` is rebuilt from on resume, so a line a crash
+        cut short loses nothing); a full disk raises OSError(ENOSPC) (no partial save).
 
         The free space is checked first: tensorstore's pending writes report a full disk
         from background threads after the error, printing tracebacks no caller can catch.
@@ -327,6 +366,8 @@ class Checkpoints:
             raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({needed / 2**20:.1f} "
                           f"MiB needed, {free / 2**20:.1f} MiB free)")
         meta = {"round": step, "digest": digest(leaves), "counters": counters}
+        if metrics is not None:
+            meta["metrics"] = list(metrics)
         args = self.ocp.args.Composite(
             state=self.ocp.args.StandardSave({f"{i:05d}": x for i, x in enumerate(leaves)}),
             meta=self.ocp.args.JsonSave(meta))
@@ -371,6 +412,21 @@ class Checkpoints:
             raise WorkdirError(f"checkpoint {path} is corrupt (its arrays do not match the "
                                f"digest saved with them); {advice}")
         return jax.tree_util.tree_unflatten(treedef, values), dict(meta.get("counters", {}))
+
+    def metrics(self, step: int) -> Optional[List[Dict[str, Any]]]:
+        """The metrics rows saved with round `step` (None: a checkpoint written before
+        checkpoints held them)."""
+        path = os.path.join(self.directory, str(step))
+        try:
+            with _quiet_absl():
+                meta = self.manager.restore(step, args=self.ocp.args.Composite(
+                    meta=self.ocp.args.JsonRestore()))["meta"]
+        except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+            detail = " ".join(str(e).split())[:200]
+            raise WorkdirError(f"checkpoint {path} cannot be read ({type(e).__name__}: "
+                               f"{detail}); start again with --overwrite") from None
+        rows = meta.get("metrics")
+        return None if rows is None else [dict(r) for r in rows]
 
     def close(self) -> None:
         self.manager.close()

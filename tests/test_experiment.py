@@ -106,7 +106,9 @@ def test_non_empty_workdir_is_refused_and_kept(tmp_path):
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
-    cfg = config(rounds=5, optimizer__lr=1e8, optimizer__grad_clip=0.0, checkpoint_every=10)
+    # The largest lr and weight decay the rules allow grow the weights 1000-fold a step.
+    cfg = config(rounds=5, optimizer__lr=100.0, optimizer__weight_decay=10.0,
+                 optimizer__grad_clip=0.0, max_train_loss=1e30, checkpoint_every=10)
     with pytest.raises(experiment.TrainingDiverged, match=r"in round (\d+)") as info:
         experiment.train(cfg, str(tmp_path), progress=False)
     bad = int(re.search(r"in round (\d+)", str(info.value)).group(1))
@@ -198,18 +200,20 @@ def test_a_failing_overwrite_loses_nothing(tmp_path):
     # A new run that saved a round before failing is kept, and so are the old results.
     with pytest.raises(experiment.TrainingDiverged, match="round 2.*replacing are kept in "
                                                           r"(\S+)$") as info:
-        experiment.train(config(optimizer__lr=1e4), workdir, overwrite=True, progress=False)
+        experiment.train(config(optimizer__lr=100.0, optimizer__weight_decay=10.0), workdir,
+                         overwrite=True, progress=False)
     aside = str(info.value).rsplit(" ", 1)[1]
     assert {f: open(os.path.join(aside, f), "rb").read() for f in before} == before
     assert len(metrics(workdir)) == 1
 
 
 def test_a_loss_that_explodes_is_divergence_and_says_what_was_kept(tmp_path):
-    # Finite but exploding (the default grad_clip keeps it from NaN): still divergence.
+    # Finite but exploding (stopped before it turns NaN): still divergence.
     with pytest.raises(experiment.TrainingDiverged,
                        match=r"round 2: training loss \S+e\+\d+ exceeds config.max_train_loss"
                              r"=100; the last good checkpoint \(round 1\) is kept"):
-        experiment.train(config(optimizer__lr=1e4, checkpoint_every=5), str(tmp_path / "a"),
+        experiment.train(config(optimizer__lr=100.0, optimizer__weight_decay=10.0,
+                                checkpoint_every=5), str(tmp_path / "a"),
                          progress=False)
     assert os.listdir(tmp_path / "a" / "checkpoints") == ["1"]
     with pytest.raises(experiment.TrainingDiverged,
@@ -298,8 +302,8 @@ def test_a_full_disk_while_logging_metrics(tmp_path, monkeypatch):
         return real_open(path, mode, *args, **kwargs)
     monkeypatch.setattr(experiment, "open", fake_open, raising=False)
     with pytest.raises(experiment.WorkdirError,
-                       match=r"metrics.jsonl: No space left on device.*no round was saved; free "
-                             r"space and run the command again"):
+                       match=r"metrics.jsonl: No space left on device.*no round of it was saved; "
+                             r"free space; run the command again$"):
         experiment.train(config(rounds=2), str(tmp_path / "w"), progress=False)
     assert not (tmp_path / "w").exists()
 
@@ -407,3 +411,42 @@ def test_clients_are_scored_on_their_own_test_parts(tmp_path):
     row = metrics(tmp_path)[-1]
     assert 0 <= row["client_accuracy_worst10"] <= row["client_accuracy_mean"] <= 1
     assert set(row) >= {"pfl_accuracy", "client_accuracy_std", "test_accuracy"}
+
+
+def test_a_line_a_crash_cut_is_restored_from_the_checkpoint(tmp_path, monkeypatch):
+    """metrics.jsonl is appended without fsync; a power cut can leave it shorter than the
+    checkpoint it goes with. Resuming rebuilds it from the checkpoint's own record."""
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    whole = experiment.train(config(rounds=4), full, progress=False)
+    experiment.train(config(rounds=3), part, progress=False)
+    path = os.path.join(part, "metrics.jsonl")
+    with open(path) as f:
+        text = f.read()
+    cut = text[:text.index("\n") + 1 + len(text.splitlines()[1]) // 2]  # row 2 cut in half
+    with open(path, "w") as f:
+        f.write(cut)
+    summary = experiment.train(config(rounds=4), part, resume=True, progress=False)
+    assert metrics(part) == metrics(full)
+    assert summary["best_accuracy"] == whole["best_accuracy"]
+    assert summary["final_accuracy"] == whole["final_accuracy"]
+    # A checkpoint written before checkpoints held the rows: refuse, naming the line.
+    with open(path, "w") as f:
+        f.write(cut)
+    monkeypatch.setattr(experiment.workdir_lib.Checkpoints, "metrics", lambda self, step: None)
+    with pytest.raises(experiment.ConfigError, match=r"^line 2 of \S+metrics.jsonl is cut "
+                                                     r"short .*--overwrite$"):
+        experiment.train(config(rounds=5), part, resume=True, progress=False)
+    with open(path) as f:
+        assert f.read() == cut  # nothing was touched
+
+
+def test_divergence_advice_names_the_options_set_away_from_their_default(tmp_path):
+    with pytest.raises(experiment.TrainingDiverged,
+                       match=r"check fedprox.mu=0.5 \(changed from the default\), or lower "
+                             r"optimizer.lr"):
+        experiment.train(config(rounds=1, max_train_loss=0.01, algorithm="fedprox",
+                                fedprox__mu=0.5), str(tmp_path / "w"), progress=False)
+    with pytest.raises(experiment.TrainingDiverged, match=r"nothing was kept; lower "
+                                                          r"optimizer.lr or optimizer.grad_clip$"):
+        experiment.train(config(rounds=1, max_train_loss=0.01), str(tmp_path / "w"),
+                         progress=False)

@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -588,3 +589,68 @@ def test_personalized_table_from_its_runs(tmp_path):
     assert float(table[0]["cost_vs_fedavg"]) == 1.0
     assert os.path.getsize(os.path.join(out, "personalized.png")) > 10_000
     assert os.path.getsize(os.path.join(out, "personalized_curves.png")) > 10_000
+
+
+def _kill_self_on_call(monkeypatch, owner, name, sig, call):
+    """`owner.name` sends `sig` to this process on its `call`-th call (counted from 1),
+    then goes on as before: a scheduler's SIGTERM or a user's Ctrl-C at that moment."""
+    import signal as signal_lib
+    original, calls = getattr(owner, name), []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call:
+            os.kill(os.getpid(), sig)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(owner, name, wrapper)
+    return signal_lib.getsignal(signal_lib.SIGTERM)
+
+
+def test_sigterm_saves_the_round_and_resume_finishes_the_sweep(tmp_path, monkeypatch, capsys):
+    import signal as signal_lib
+
+    from experiments import personalized
+    from fedjax_pan.engine.simulation import Simulation
+    out = str(tmp_path / "p")
+    # The smoke preset trains fedavg then fedper, 2 rounds each, a checkpoint every round:
+    # the 4th round is fedper's second.
+    before = _kill_self_on_call(monkeypatch, Simulation, "round", signal_lib.SIGTERM, 4)
+    assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 143
+    assert signal_lib.getsignal(signal_lib.SIGTERM) is before  # the handler is given back
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and re.fullmatch(
+        r"error: interrupted in round 2; round 1 is saved in \S+pat_K6_fedper_s0; continue "
+        r"with --resume", err[0]), err
+    run = os.path.join(out, "runs", "pat_K6_fedper_s0")
+    assert [r["round"] for r in common.read_curve(run)] == [1]
+    assert os.listdir(os.path.join(run, "checkpoints")) == ["1"]
+    monkeypatch.undo()
+    finished = os.path.join(out, "runs", "pat_K6_fedavg_s0", "metrics.jsonl")
+    stamp = os.stat(finished).st_mtime_ns
+    assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress",
+                              "--resume"]) == 0
+    assert [r["round"] for r in common.read_curve(run)] == [1, 2]
+    assert os.stat(finished).st_mtime_ns == stamp  # the finished run was read back
+    assert os.path.isfile(os.path.join(out, "personalized.png"))
+
+
+def test_ctrl_c_while_a_curve_is_drawn_finishes_it_first(tmp_path, monkeypatch, capsys):
+    import signal as signal_lib
+
+    from experiments import personalized
+    from fedjax_pan import experiment
+    out = str(tmp_path / "p")
+    _kill_self_on_call(monkeypatch, experiment, "plot_curves", signal_lib.SIGINT, 1)
+    assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 130
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and re.fullmatch(r"error: interrupted; \S+ keeps the rounds saved so "
+                                          r"far; continue with --resume", err[0]), err
+    run = os.path.join(out, "runs", "pat_K6_fedavg_s0")
+    assert os.path.getsize(os.path.join(run, "curve.png")) > 1000
+    assert os.path.isfile(os.path.join(run, "summary.json"))
+    monkeypatch.undo()
+    # A run an older version left without its curve is finished again, which draws it.
+    os.remove(os.path.join(run, "curve.png"))
+    assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress",
+                              "--resume"]) == 0
+    assert os.path.getsize(os.path.join(run, "curve.png")) > 1000

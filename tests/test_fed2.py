@@ -181,6 +181,13 @@ def test_fed2_runs_from_a_config_and_needs_a_grouped_model(tmp_path):
     with pytest.raises(ConfigError, match="fed2 needs a grouped model"):
         experiment.train(cfg, str(tmp_path / "flat"), progress=False)
     cfg.model.options.grouped = {"groups": 5, "depth": 2}
+    # Samples weighted twice (w_k = n_k, then n_kg per group): refused before any data.
+    cfg.aggregation.weights = "num_examples"
+    with pytest.raises(ConfigError, match=r"n_k x n_kg.*'uniform'.*'presence'"):
+        experiment.train(cfg, str(tmp_path / "twice"), progress=False)
+    cfg.fed2.group_weights = "presence"
+    experiment.validate(cfg)
+    cfg.aggregation.weights, cfg.fed2.group_weights = "uniform", "class_samples"
     experiment.train(cfg, str(tmp_path / "w"), progress=False)
     with open(tmp_path / "w" / "metrics.jsonl") as f:
         rows = [json.loads(line) for line in f]

@@ -86,3 +86,38 @@ def test_options_are_checked():
     algo = fedala(model, tx, 0.5, layers=9)
     with pytest.raises(ValueError, match=r"fedala.layers must lie in \[1, 3\].*got 9"):
         algo.client_state_init(algo.server_init(variables))
+    # From a config: refused when the run is assembled, before any round (exit 2).
+    from fedjax_pan import experiment
+    from test_experiment import config
+    with pytest.raises(experiment.ConfigError, match=r"^config.fedala: fedala.layers must lie "
+                                                     r"in \[1, 4\] .*got 99$"):
+        experiment.build(config(algorithm="fedala", fedala__layers=99,
+                                partition__test_fraction=0.25))
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "vgg9", "resnet20", "mobilenet"])
+def test_the_adapted_layers_are_the_top_of_the_network_on_every_architecture(name):
+    """ALA mixes the head (layers=1), in the model's call order, which an interceptor on
+    a real forward pass records independently of any naming convention."""
+    import flax.linen as flax_nn
+
+    from fedjax_pan import models
+    model = models.build(name, 10)
+    variables = jax.eval_shape(lambda: models.init(model, jax.random.PRNGKey(0), (32, 32, 3)))
+    called = []
+
+    def record(next_fun, args, kwargs, context):
+        path = context.module.path
+        if context.method_name == "__call__" and len(path) == 1 and path[0] not in called:
+            called.append(path[0])
+        return next_fun(*args, **kwargs)
+    with flax_nn.intercept_methods(record):
+        jax.eval_shape(lambda v: model.apply(v, jnp.zeros((1, 32, 32, 3))), variables)
+    order = [scope for scope in called if scope in variables["params"]]
+    assert models.layer_order(model, variables["params"]) == order
+    tx = optax.sgd(0.1)
+    for layers, top in ((1, order[-1:]), (3, order[-3:])):
+        algo = fedala(model, tx, 0.5, layers=layers)
+        state = jax.eval_shape(lambda v: algo.client_state_init(algo.server_init(v)),
+                               variables)
+        assert sorted(state["weights"]) == sorted(top) and top[-1] == "head"

@@ -180,6 +180,12 @@ def test_femnist_missing_and_bad_files(tmp_path):
     with pytest.raises(DataError) as e:
         files.femnist(tmp_path / "short")
     one_line(e, "w00", str(tmp_path / "short" / "x.json"))
+    # One writer of one sample: nothing for the test set (a writer needs 2 to give one).
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "x.json").write_text(json.dumps(leaf_json(leaf_writers([1]))))
+    with pytest.raises(DataError) as e:
+        files.femnist(tmp_path / "one")
+    one_line(e, "1 writer(s) drawn from the 1", "1 sample(s) in all", "2 or more")
 
 
 # --- GTSRB ----------------------------------------------------------------------------

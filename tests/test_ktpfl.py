@@ -107,15 +107,16 @@ def test_the_server_stores_soft_predictions_and_steps_c():
 def test_the_public_set_is_held_out_of_every_client():
     from fedjax_pan import experiment
     from test_experiment import config
-    with pytest.raises(experiment.ConfigError, match="dataset.public_size > 0"):
-        experiment.build(config(algorithm="ktpfl", local__epochs=2.0))
-    exp = experiment.build(config(algorithm="ktpfl", local__epochs=2.0,
-                                  dataset__public_size=100))
-    public, kept = experiment.public_split(exp.dataset.num_train, 100, exp.config.seed)
-    assert len(public) == 100 and len(kept) == exp.dataset.num_train - 100
-    used = np.concatenate(exp.client_indices)
-    assert not set(used.tolist()) & set(public.tolist())
-    assert sorted(used.tolist()) == kept.tolist()
+    # dataset.public_size = 0: KT-pFL's default, a fifth of these 1,000 examples (at most
+    # 1,000); the smoke preset's options and a test part per client are all it needs.
+    for size, held in ((0, 200), (100, 100)):
+        exp = experiment.build(config(algorithm="ktpfl", dataset__public_size=size,
+                                      partition__test_fraction=0.25))
+        public, kept = experiment.public_split(exp.dataset.num_train, held, exp.config.seed)
+        assert len(public) == held and len(kept) == exp.dataset.num_train - held
+        used = np.concatenate(exp.client_indices + exp.test_indices)
+        assert not set(used.tolist()) & set(public.tolist())
+        assert sorted(used.tolist()) == kept.tolist()
     # Without a public set the partition is the one it always was.
     plain = experiment.build(config())
     again = experiment.build(config(dataset__public_size=0))
@@ -226,6 +227,15 @@ def test_architecture_specs_are_parsed_and_bad_ones_named():
                      ("mlp(hidden=h)", "not a literal"), ("mlp;", "not a name")]:
         with pytest.raises(ValueError, match=why):
             parse_architectures(bad)
+    # Each spec is built by the config check, so bad sizes stop before any data loads.
+    from fedjax_pan import schema
+    from fedjax_pan.defaults import default_config
+    cfg = default_config()
+    cfg.ktpfl.architectures = "mlp; mlp(hidden=-3)"
+    with pytest.raises(schema.ConfigError, match=r"^config.ktpfl.architectures must be .*"
+                                                 r"option hidden must be a list of positive "
+                                                 r"integers, got -3"):
+        schema.validate(cfg)
 
 
 def _mixed_config(**changes):

@@ -137,5 +137,52 @@ def test_unknown_override_keys_name_the_valid_ones(tmp_path, capsys):
     assert len(lines) == 3
     assert "'nonexistent'; valid keys at the top level: seed, rounds" in lines[0]
     assert "did you mean optimizer.momentum?" in lines[1]
-    assert "model.options has no key 'hidden'" in lines[2]
+    # The model's options are free-form: set from the command line, checked by the model.
+    assert "option hidden must be a list of positive integers, got 1" in lines[2]
     assert not (tmp_path / "w").exists()
+
+
+def test_ctrl_c_while_the_results_are_written_keeps_them(tmp_path, capsys, monkeypatch):
+    from fedjax_pan import experiment
+    original = experiment.plot_curves
+
+    def plot_then_ctrl_c(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # arrives while the curve is being drawn
+        return original(*args, **kwargs)
+    monkeypatch.setattr(experiment, "plot_curves", plot_then_ctrl_c)
+    w = tmp_path / "w"
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.rounds=1"]) == 130
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [f"error: interrupted; {w} keeps the rounds saved so far; continue with "
+                     f"--resume"]
+    assert (w / "curve.png").stat().st_size > 1000 and (w / "summary.json").exists()
+
+
+def test_model_options_are_set_from_the_command_line(tmp_path, capsys):
+    w = tmp_path / "w"
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.algorithm=fed2",
+                      "--config.rounds=1"]) == 2
+    hint = capsys.readouterr().err.strip()
+    option = re.search(r"(--config\.model\.options\.grouped=)\"(.*?)\"", hint)
+    assert option and "needs a grouped model" in hint, hint
+    # The hint, followed literally, runs (G = 2 groups over the MLP's last 2 layers here).
+    grouped = option.group(2).replace("10", "2").replace("6", "2")
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.algorithm=fed2",
+                      "--config.rounds=1", option.group(1) + grouped,
+                      "--config.model.options.hidden=(32, 32)"]) == 0
+    with open(w / "config.json") as f:
+        assert json.load(f)["model"]["options"] == {"grouped": {"groups": 2, "depth": 2},
+                                                    "hidden": [32, 32]}
+
+
+@pytest.mark.parametrize("algorithm", ["ktpfl", "fedrep"])
+def test_personalised_algorithms_run_on_the_smoke_preset_as_they_are(tmp_path, capsys,
+                                                                     algorithm):
+    w = tmp_path / "w"
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", f"--config.algorithm={algorithm}",
+                      "--config.rounds=1"]) == 2  # no test part: nothing would score them
+    err = capsys.readouterr().err.strip()
+    assert "config.partition.test_fraction must be > 0" in err and not w.exists()
+    assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", f"--config.algorithm={algorithm}",
+                      "--config.rounds=1", "--config.partition.test_fraction=0.25"]) == 0
+    assert _rows(w)[0]["pfl_accuracy"] > 0

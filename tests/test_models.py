@@ -196,7 +196,13 @@ def test_width_options():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(name="vgg10"), "vgg10"), (dict(norm="layer"), "layer"), (dict(num_classes=0), "num_classes"),
-    (dict(name="mlp", pan_fc=True), "pan_fc"), (dict(pan={"kind": "pow"}), "pow")])
+    (dict(name="mlp", pan_fc=True), "pan_fc"), (dict(pan={"kind": "pow"}), "pow"),
+    # Sizes are checked before any layer is built, naming the option.
+    (dict(name="mlp", hidden=-3), "option hidden must be a list of positive integers, got -3"),
+    (dict(name="mlp", hidden=[200, 0]), r"option hidden .*got \(200, 0\)"),
+    (dict(channels=[32, "a"]), "option channels"), (dict(width=-1.0), "option width"),
+    (dict(name="cnn", kernel=2.5), "option kernel must be a positive integer"),
+    (dict(name="resnet20", widths=[16, True]), "option widths")])
 def test_bad_arguments_raise_clear_errors(kwargs, match):
     args = dict(name="vgg9", num_classes=10) | kwargs
     with pytest.raises(ValueError, match=match):

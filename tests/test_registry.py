@@ -66,3 +66,17 @@ def test_every_algorithm_builds_from_the_default_config(name):
     server = algo.server_init(variables)
     algo.client_state_init(server)
     assert set(algo.eval_variables(server)) >= {"params"}
+    # The registry says which algorithms the config check holds to partition.test_fraction
+    # > 0: exactly those that define a model per client.
+    personal = algo.personal_variables is not None or algo.personal_adapt is not None
+    assert registry.ALGORITHMS[name].personal == personal
+
+
+def test_public_data_is_held_out_by_default_only_where_an_algorithm_distils():
+    cfg = default_config()
+    assert registry.public_size(cfg, 60000) == 0
+    cfg.algorithm = "ktpfl"
+    assert registry.public_size(cfg, 60000) == 1000
+    assert registry.public_size(cfg, 1000) == 200  # at most a fifth of the training set
+    cfg.dataset.public_size = 50
+    assert registry.public_size(cfg, 60000) == 50

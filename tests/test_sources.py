@@ -235,13 +235,15 @@ def test_load_partial_or_inconsistent_idx(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["cifar10", "fashion_mnist"])
-def test_load_unprepared_tfds_fails_fast(tmp_path, name):
+def test_load_unprepared_tfds_fails_fast(tmp_path, name, caplog):
     start = time.monotonic()
-    with pytest.raises(DataError) as info:
+    with caplog.at_level("INFO"), pytest.raises(DataError) as info:
         sources.load(name, data_dir=tmp_path)
     assert time.monotonic() - start < 10
     message = str(info.value)
     assert repr(name) in message and "not prepared" in message and str(tmp_path) in message
+    # The error is the one line: TFDS's own warning about the empty folder is not printed.
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
 
 
 def test_load_unknown_name():

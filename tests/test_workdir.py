@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedjax_pan import workdir as wd
-from fedjax_pan.errors import ConfigError, WorkdirError
+from fedjax_pan.errors import ConfigError, Interrupted, WorkdirError
 
 # What tensorstore raised for a full tmpfs while orbax wrote a checkpoint (trimmed).
 TENSORSTORE_ENOSPC = ('RESOURCE_EXHAUSTED: Error writing "a/0" in OCDBT database at local file '
@@ -121,23 +121,51 @@ def test_a_fresh_run_that_fails_before_a_round_leaves_no_trace(tmp_path):
     w = tmp_path / "resumed"
     w.mkdir()
     (w / "config.json").write_text("{}")
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted, match=r"^interrupted; .*resumed keeps the rounds saved so "
+                                          r"far; continue with --resume$") as info:
         with wd.claim(str(w), resume=True):
             raise KeyboardInterrupt
+    assert info.value.status == 130
     assert os.listdir(w) == ["config.json"]
+    # A fresh run interrupted before its first round: nothing kept, the command runs again.
+    with pytest.raises(Interrupted, match=r"^interrupted; nothing was saved; run the command "
+                                          r"again$"):
+        with wd.claim(str(tmp_path / "fresh")):
+            raise KeyboardInterrupt
+    assert not (tmp_path / "fresh").exists()
+
+
+def test_the_advice_depends_on_what_the_workdir_keeps(tmp_path):
+    # A run interrupted before its first round, beside another run's saved rounds (a
+    # variant, a script's sweep): the same command would be refused, --resume is right.
+    w = tmp_path / "w"
+    with pytest.raises(Interrupted, match=r"no round of it was saved; continue with "
+                                          r"--resume$"):
+        with wd.claim(str(w)):
+            (w / "a" / "checkpoints" / "3").mkdir(parents=True)
+            raise Interrupted("interrupted in round 1; no round of it was saved", 15)
+    assert os.listdir(w) == ["a"]
+    with pytest.raises(WorkdirError, match=r"free space; run the command again$"):
+        with wd.claim(str(tmp_path / "x")):
+            with wd.writing("metrics", lambda: "no round of it was saved; free space"):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    # Faults that --resume does not mend get no such advice.
+    with pytest.raises(WorkdirError, match=r"corrupt$"):
+        with wd.claim(str(tmp_path / "y")):
+            raise WorkdirError("checkpoint corrupt")
 
 
 def test_overwrite_that_fails_after_a_round_keeps_both(tmp_path):
     w = tmp_path / "w"
     _old_run(w)
-    with pytest.raises(KeyboardInterrupt) as info:
+    with pytest.raises(Interrupted) as info:
         with wd.claim(str(w), overwrite=True):
             (w / "checkpoints" / "3").mkdir(parents=True)
             raise KeyboardInterrupt
     aside = [d for d in os.listdir(tmp_path) if d != "w"]
     assert len(aside) == 1 and aside[0].startswith(".w.replaced-")
     assert (tmp_path / aside[0] / "summary.json").read_text() == "old results"
-    assert aside[0] in " ".join(info.value.__notes__)
+    assert aside[0] in str(info.value)
     assert os.listdir(w / "checkpoints") == ["3"]
 
 

@@ -28,7 +28,7 @@ from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
 OPTIONS = {"alpha": 0.5, "adaptive": True, "alpha_lr": 0.05}
-RULES = {"alpha": between(0, 1), "adaptive": Rule(boolean), "alpha_lr": between(0)}
+RULES = {"alpha": between(0, 1), "adaptive": Rule(boolean), "alpha_lr": between(0, 100)}
 ALPHA_DECAY = 0.02  # the released code's regulariser on alpha
 
 
@@ -97,4 +97,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                 warmup=cfg.optimizer.warmup, warmup_length=cfg.optimizer.warmup_length)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)

@@ -160,9 +160,16 @@ class AlgorithmEntry(NamedTuple):
     options: Dict[str, Any]
     rules: Dict[str, Any]
     driver: Optional[Callable[..., Any]] = None
-    # True: `build` also takes `public=` the unlabelled public images (N_pub, H, W, C),
-    # normalised as the clients' (`config.dataset.public_size` of them must be held out).
-    public: bool = False
+    # > 0: `build` also takes `public=` the unlabelled public images (N_pub, H, W, C),
+    # normalised as the clients'; this many training examples are held out for them where
+    # `config.dataset.public_size` is 0.
+    public: int = 0
+    # True: its result is a model per client (personal_variables / personal_adapt), which
+    # only a test part of each client's own data can score (partition.test_fraction > 0).
+    personal: bool = False
+    # check(cfg) raises ValueError for options that conflict with the rest of the config
+    # (checked with the schema, before any data loads).
+    check: Optional[Callable[[Any], None]] = None
 
 
 def no_client_state(server_state: PyTree) -> None:

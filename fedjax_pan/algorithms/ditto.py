@@ -29,7 +29,8 @@ from fedjax_pan.rules import between
 
 PyTree = Any
 OPTIONS = {"lam": 0.1}
-RULES = {"lam": between(0)}
+# lr * lam * w is formed in float32: 1e4 (x lr <= 100) stays far from its 3.4e38 overflow.
+RULES = {"lam": between(0, 1e4)}
 
 
 class DittoLocal(NamedTuple):
@@ -86,4 +87,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                  warmup=cfg.optimizer.warmup, warmup_length=cfg.optimizer.warmup_length)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)

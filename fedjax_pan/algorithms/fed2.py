@@ -8,6 +8,8 @@
 
 w_k is the engine's aggregation weight (uniform by default, as the PAN paper), so with
 uniform weights group g is averaged in proportion to the clients' samples of its classes.
+'class_samples' with `aggregation.weights = "num_examples"` would weight client k's group g
+by n_k x n_k,g, its samples counted twice: the config check refuses that pair.
 A group no sampled client holds gets no update and keeps its previous value; GroupNorm
 scale/shift travel with their group. With `trim` (Psi-Net's extreme non-IID rule, 004
 Eq. 6) a client drops the groups whose classes it lacks: their logits leave its softmax, so
@@ -72,8 +74,10 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
     """Fed2 (or, with trim=True, Psi-Net) for a grouped flax `model`."""
     gc = getattr(model, "grouped", None)
     if gc is None:
-        raise ValueError("fed2 needs a grouped model: set config.model.options.grouped "
-                         "(e.g. {'groups': 10, 'depth': 6})")
+        raise ValueError("fed2 needs a grouped model (mlp, vgg or mobilenet): set "
+                         "--config.model.options.grouped=\"{'groups': 10, 'depth': 6}\" "
+                         "(Fed2's G = 10 groups over the last D = 6 weight layers), or use "
+                         "configs/cifar10_fed2.py")
     if group_weights not in GROUP_WEIGHTS:
         raise ValueError(f"unknown group_weights {group_weights!r}; expected one of "
                          f"{GROUP_WEIGHTS}")
@@ -146,6 +150,15 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
                          client_output=client_output, aggregator=Aggregator(finalize),
                          upload_bytes=upload_bytes)
 
+def _check(cfg: Any) -> None:
+    if cfg.fed2.group_weights == "class_samples" and cfg.aggregation.weights != "uniform":
+        raise ValueError(
+            f"fed2.group_weights='class_samples' weights client k's group g by its samples "
+            f"n_kg already; with aggregation.weights={cfg.aggregation.weights!r} (w_k = n_k) "
+            f"they would count twice (n_k x n_kg): set aggregation.weights='uniform' (Fed2's "
+            f"Eq. 18) or fed2.group_weights='presence'")
+
+
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     return fed2(model, client_tx, server_tx, group_weights=cfg.fed2.group_weights,
@@ -153,4 +166,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                 warmup_length=cfg.optimizer.warmup_length)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, check=_check)

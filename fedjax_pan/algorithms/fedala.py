@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
@@ -37,8 +38,8 @@ from fedjax_pan.rules import between
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"layers": 1, "eta": 1.0, "ala_epochs": 0.8}
-RULES = {"layers": between(1, integer=True), "eta": between(0, lo_open=True),
-         "ala_epochs": between(0, lo_open=True)}
+RULES = {"layers": between(1, 1000, integer=True), "eta": between(0, 100, lo_open=True),
+         "ala_epochs": between(0, 1000, lo_open=True)}
 
 
 class AlaLocal(NamedTuple):
@@ -58,13 +59,15 @@ def fedala(model: nn.Module, client_tx: optax.GradientTransformation, ala_share:
            server_tx: optax.GradientTransformation = optax.sgd(1.0), *, layers: int = 1,
            eta: float = 1.0, warmup: str = "none", warmup_length: int = 0
            ) -> FederatedAlgorithm:
-    """FedALA over the top `layers` layers (by their order in the params tree), its ALA
+    """FedALA over the top `layers` layers (in the model's call order), its ALA
     pass the first round(ala_share x local steps) steps; training warms up as FedAvg's."""
     local_lib.check_share(ala_share, "FedALA's share of local steps for ALA")
     base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length)
 
     def top_names(params):
-        names = list(params)
+        # The model's call order: params dicts are sorted by name, where on ResNet20 and
+        # MobileNet `stem_norm` would come last and pass for the top layer.
+        names = models.layer_order(model, params)
         if not 1 <= layers <= len(names):
             raise ValueError(f"fedala.layers must lie in [1, {len(names)}] for this model "
                              f"(layers {names}), got {layers}")
@@ -130,13 +133,17 @@ def fedala(model: nn.Module, client_tx: optax.GradientTransformation, ala_share:
                          personal_variables=personal_variables)
 
 
+def _ala_share(cfg: Any) -> float:
+    return local_lib.share_of_steps(cfg.fedala.ala_epochs, cfg.local.epochs,
+                                    "fedala.ala_epochs", "ALA's pass is")
+
+
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    share = local_lib.share_of_steps(cfg.fedala.ala_epochs, cfg.local.epochs,
-                                     "fedala.ala_epochs", "ALA's pass is")
+    share = _ala_share(cfg)
     return fedala(model, client_tx, share, server_tx, layers=cfg.fedala.layers,
                   eta=cfg.fedala.eta, warmup=cfg.optimizer.warmup,
                   warmup_length=cfg.optimizer.warmup_length)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_ala_share)

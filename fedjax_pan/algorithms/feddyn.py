@@ -51,7 +51,8 @@ from fedjax_pan.rules import Rule, between, boolean
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"alpha": 0.01, "log_term": False}
-RULES = {"alpha": between(0, lo_open=True), "log_term": Rule(boolean)}
+# The server divides h by alpha in float32: a tiny alpha rounds to 0 there (h / 0 = NaN).
+RULES = {"alpha": between(1e-6, 100), "log_term": Rule(boolean)}
 
 
 class FedDynServer(NamedTuple):

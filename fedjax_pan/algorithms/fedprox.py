@@ -26,7 +26,7 @@ from fedjax_pan.rules import between, one_of
 PyTree = Any
 DISTANCES = ("l2", "huber")
 OPTIONS = {"mu": 0.01, "distance": "l2"}
-RULES = {"mu": between(0), "distance": one_of(DISTANCES)}
+RULES = {"mu": between(0, 1e4), "distance": one_of(DISTANCES)}
 
 
 def proximal_term(params: PyTree, anchor: PyTree, mu: float, distance: str) -> jax.Array:

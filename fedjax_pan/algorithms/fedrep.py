@@ -25,7 +25,7 @@ from fedjax_pan.rules import between
 
 PyTree = Any
 OPTIONS = {"head_epochs": 1.0}
-RULES = {"head_epochs": between(0, lo_open=True)}
+RULES = {"head_epochs": between(0, 1000, lo_open=True)}
 
 
 class RepLocal(NamedTuple):
@@ -81,12 +81,16 @@ def fedrep(model: nn.Module, client_tx: optax.GradientTransformation, head_share
                          client_output=client_output)
 
 
+def _head_share(cfg: Any) -> float:
+    return local_lib.share_of_steps(cfg.fedrep.head_epochs, cfg.local.epochs,
+                                    "fedrep.head_epochs", "the head's epochs are")
+
+
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    share = local_lib.share_of_steps(cfg.fedrep.head_epochs, cfg.local.epochs,
-                                     "fedrep.head_epochs", "the head's epochs are")
+    share = _head_share(cfg)
     return fedrep(model, client_tx, share, server_tx, warmup=cfg.optimizer.warmup,
                   warmup_length=cfg.optimizer.warmup_length)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_head_share)

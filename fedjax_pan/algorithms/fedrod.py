@@ -106,4 +106,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   warmup_length=cfg.optimizer.warmup_length)
 
 
-ENTRY = AlgorithmEntry(from_config, {}, {})
+ENTRY = AlgorithmEntry(from_config, {}, {}, personal=True)

@@ -67,18 +67,21 @@ def parse_architectures(text: str) -> List[Tuple[str, Dict[str, Any]]]:
 
 def _architectures_rule(value: Any) -> Optional[str]:
     try:
-        parse_architectures(value)
-    except ValueError as e:
+        for spec in _spec_texts(value):
+            models.from_spec(spec, 10)  # the options checked before any data loads
+    except (TypeError, ValueError) as e:
         return f"'' or model specs separated by ';' ({e})"
     return None
 
 
 OPTIONS = {"temperature": 1.0, "lam": 1.0, "rho": 0.1, "coef_lr": 0.1, "distill_epochs": 1.0,
            "simplex": True, "architectures": ""}
-RULES = {"temperature": between(0, lo_open=True), "lam": between(0), "rho": between(0),
-         "coef_lr": between(0), "distill_epochs": between(0, lo_open=True),
+# Logits are divided by the temperature in float32: >= 0.01 keeps them far from overflow.
+RULES = {"temperature": between(0.01, 100), "lam": between(0, 1e4), "rho": between(0, 1e4),
+         "coef_lr": between(0, 100), "distill_epochs": between(0, 1000, lo_open=True),
          "simplex": Rule(boolean), "architectures": Rule(_architectures_rule)}
 EPS = 1e-12  # inside logs of probabilities
+PUBLIC_SIZE = 1000  # unlabelled public examples held out by default
 
 
 class KtServer(NamedTuple):
@@ -456,4 +459,6 @@ def mixed_from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTrans
                    cfg.execution.block_size, _options(cfg))
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=mixed_from_config, public=True)
+# PUBLIC_SIZE examples held out as the public set unless dataset.public_size says otherwise.
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=mixed_from_config,
+                       public=PUBLIC_SIZE, personal=True, check=_distill_share)

@@ -43,7 +43,8 @@ from fedjax_pan.rules import between
 
 PyTree = Any
 OPTIONS = {"mu": 1.0, "tau": 0.5}
-RULES = {"mu": between(0), "tau": between(0, lo_open=True)}
+# Similarities are divided by tau in float32: a tiny tau rounds to 0 there (NaN losses).
+RULES = {"mu": between(0, 1e4), "tau": between(0.01, 100)}
 FEATURES = "features" + layers.SOW_SUFFIX  # the representation's key in 'intermediates'
 
 

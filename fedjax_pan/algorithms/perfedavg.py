@@ -34,7 +34,7 @@ from fedjax_pan.rules import Rule, between, boolean
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"beta": placeholder(float), "hessian_free": False}
-RULES = {"beta": between(0, lo_open=True, optional=True), "hessian_free": Rule(boolean)}
+RULES = {"beta": between(0, 100, lo_open=True, optional=True), "hessian_free": Rule(boolean)}
 
 
 class PerAvgLocal(NamedTuple):
@@ -132,4 +132,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                      warmup_length=cfg.optimizer.warmup_length)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)

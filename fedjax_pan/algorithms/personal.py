@@ -137,7 +137,7 @@ def _entry(name: str) -> AlgorithmEntry:
     return AlgorithmEntry(
         lambda model, cfg, client_tx, server_tx: partial_sharing(
             model, client_tx, PERSONAL[name], server_tx, warmup=cfg.optimizer.warmup,
-            warmup_length=cfg.optimizer.warmup_length), {}, {})
+            warmup_length=cfg.optimizer.warmup_length), {}, {}, personal=True)
 
 
 ENTRIES = {name: _entry(name) for name in PERSONAL}

@@ -91,6 +91,15 @@ def client_tx(cfg: Any) -> optax.GradientTransformation:
     return client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip)
 
 
+def public_size(cfg: Any, num_train: int) -> int:
+    """The training examples held out as unlabelled public data: `dataset.public_size`,
+    or where that is 0 the default of an algorithm that distils on public data (at most a
+    fifth of the `num_train` training examples)."""
+    if cfg.dataset.public_size:
+        return int(cfg.dataset.public_size)
+    return min(int(ALGORITHMS[cfg.algorithm].public), num_train // 5)
+
+
 def from_config(model: nn.Module, cfg: Any, public: Any = None) -> FederatedAlgorithm:
     """The algorithm `cfg.algorithm` for `model`, configured by `cfg`; `public`: the
     unlabelled public images, for an algorithm that uses them."""

@@ -50,7 +50,7 @@ from fedjax_pan.rules import between
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"server_lr": 1.0}
-RULES = {"server_lr": between(0, lo_open=True)}
+RULES = {"server_lr": between(0, 100, lo_open=True)}
 
 
 class ScaffoldServer(NamedTuple):

@@ -182,6 +182,11 @@ def femnist(data_dir: PathLike, *, writer_fraction: float = 0.1, test_fraction: 
         test_x.append(x[test])
         test_y.append(y[test])
     images = np.concatenate(train_x)
+    if test_fraction > 0 and not sum(len(y) for y in test_y):
+        # Only a writer with 2 or more samples gives one to the test set.
+        raise _fail("femnist", f"the {count} writer(s) drawn from the {len(ids)} under {root} "
+                               f"hold {len(images)} sample(s) in all, too few to give any "
+                               f"to the test set (a writer needs 2 or more)")
     return Dataset(name="femnist", train_images=images, train_labels=np.concatenate(train_y),
                    test_images=np.concatenate(test_x), test_labels=np.concatenate(test_y),
                    num_classes=FEMNIST_CLASSES, train_groups=np.concatenate(train_g),

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import importlib.util
+import logging
 import os
 import struct
 import zlib
@@ -257,13 +258,20 @@ def _prepare_hint(name: str) -> str:
 def _load_tfds(name: str, data_dir: Optional[str]) -> Dataset:
     import tensorflow_datasets as tfds  # slow import, and only needed here
 
+    # TFDS logs a warning for a folder it finds unprepared; the error below says more.
+    absl_logger = logging.getLogger("absl")
+    level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
     try:
         builder = tfds.builder(name, data_dir=data_dir)
+        prepared = builder.is_prepared()
     except Exception as e:  # noqa: BLE001 - any TFDS failure means the same to the caller
         raise DataError(f"dataset {name!r}: TFDS cannot create a builder "
                         f"({type(e).__name__}: {e})") from e
+    finally:
+        absl_logger.setLevel(level)
     where = builder.data_dir
-    if not builder.is_prepared():
+    if not prepared:
         # download_and_prepare needs TensorFlow; without it TFDS fails late
         # (possibly after network attempts), so fail fast with the real reason.
         if importlib.util.find_spec("tensorflow") is None:

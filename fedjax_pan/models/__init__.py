@@ -20,7 +20,7 @@ Example:
 from __future__ import annotations
 
 import ast
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -114,12 +114,37 @@ def build(name: str, num_classes: int, pan: PANLike = None, norm: Optional[str] 
     ctor, default_norm = _REGISTRY[key]
     kind, groups = layers.parse_norm(norm if norm is not None else default_norm, num_groups)
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in options.items()}
+    _check_sizes(key, options)
     if "grouped" in options:
         options["grouped"] = grouped_lib.as_grouped(options["grouped"])
         if options["grouped"] is not None:
             options["grouped"].class_map(int(num_classes))  # fails early on a bad map
     return ctor(num_classes=int(num_classes), pan=as_config(pan), norm=kind, groups=groups,
                 **options)
+
+
+# Options that size layers, checked before any layer is built (a bad one would otherwise
+# fail deep inside flax with an error naming no option).
+_SIZE_SEQUENCES = ("hidden", "channels", "fc_hidden", "widths")
+_SIZE_INTEGERS = ("kernel", "stem_width", "blocks_per_stage")
+_SIZE_NUMBERS = ("width",)
+
+
+def _check_sizes(name: str, options: Dict[str, Any]) -> None:
+    def positive_int(v: Any) -> bool:
+        return isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 1
+    for key, value in options.items():
+        if key in _SIZE_SEQUENCES and not (isinstance(value, tuple) and
+                                           all(positive_int(v) for v in value)):
+            raise ValueError(f"model {name!r}: option {key} must be a list of positive "
+                             f"integers, got {value!r}")
+        if key in _SIZE_INTEGERS and not positive_int(value):
+            raise ValueError(f"model {name!r}: option {key} must be a positive integer, "
+                             f"got {value!r}")
+        if key in _SIZE_NUMBERS and not (isinstance(value, (int, float, np.number)) and
+                                         not isinstance(value, bool) and value > 0):
+            raise ValueError(f"model {name!r}: option {key} must be a positive number, "
+                             f"got {value!r}")
 
 
 def parse_spec(spec: str) -> Tuple[str, Dict[str, Any]]:
@@ -161,6 +186,23 @@ def from_spec(spec: str, num_classes: int, pan: PANLike = None,
     name, options = parse_spec(spec)
     norm = options.pop("norm", norm)
     return build(name, num_classes, pan=pan, norm=norm, **options)
+
+
+def layer_order(model: nn.Module, params: Mapping[str, Any]) -> List[str]:
+    """The top-level parameter scopes of `params` in the order `model` calls them (params
+    dicts come back from flax and jax sorted by name: on ResNet20 and MobileNet the
+    stem's normalisation sorts last). A scope belongs to the weight layer whose name it
+    is or extends (`stem_norm` to `stem`); a layer's scopes keep their order by name."""
+    declared = list(model.weight_layers())
+    index = {name: i for i, name in enumerate(declared)}
+
+    def owner(scope: str) -> int:
+        owners = [w for w in declared if scope == w or scope.startswith(w + "_")]
+        if not owners:
+            raise ValueError(f"parameter scope {scope!r} belongs to none of "
+                             f"{type(model).__name__}'s weight layers {declared}")
+        return index[max(owners, key=len)]
+    return sorted(params, key=lambda scope: (owner(scope), scope))
 
 
 def widths(model: nn.Module) -> Dict[str, int]:

@@ -40,6 +40,22 @@ class ResNet(nn.Module):
     groups: int = layers.DEFAULT_GROUPS
     explicit_shortcuts: bool = False
 
+    def weight_layers(self) -> Tuple[str, ...]:
+        """Names of the weight layers in call order: stem, each block's conv1, conv2 and
+        shortcut (a projection, or with `explicit_shortcuts` an identity conv, where it
+        has one), head."""
+        names, width_in = ["stem"], self.stem_width
+        for s, width in enumerate(self.widths, start=1):
+            for b in range(1, self.blocks_per_stage + 1):
+                name = f"stage{s}_block{b}"
+                names += [f"{name}_conv1", f"{name}_conv2"]
+                if (b == 1 and s > 1) or width_in != width:
+                    names.append(f"{name}_shortcut")
+                elif self.explicit_shortcuts:
+                    names.append(f"{name}_identity")
+                width_in = width
+        return tuple(names) + ("head",)
+
     @nn.compact
     def __call__(self, x: jnp.ndarray, train: bool = False,
                  mask: Optional[jnp.ndarray] = None) -> jnp.ndarray:
