@@ -127,3 +127,17 @@ def test_crop_and_flip_are_windows_of_the_padded_image():
     np.testing.assert_array_equal(np.asarray(augment_batch(jnp.asarray(x), key, aug)), out)
     plain = np.asarray(augment_batch(jnp.asarray(x), key, Augment(pad=0, flip=False)))
     np.testing.assert_array_equal(plain, x)
+
+
+def test_a_batch_above_every_client_costs_what_the_largest_client_does():
+    """The executors' B is min(B, largest client): the same steps and batches (one whole
+    client per epoch), and no client computes more than its rows rounded up to a quarter
+    of that, however large the configured B (100,000 on 200 examples padded to 25,000)."""
+    sizes = np.asarray([200, 173, 57, 1, 64, 129])
+    for b in (8, 64, 200, 100_000):
+        eff = min(b, int(sizes.max()))
+        work, capped = LocalWork(batch_size=b, epochs=3), LocalWork(batch_size=eff, epochs=3)
+        np.testing.assert_array_equal(work.num_steps(sizes), capped.num_steps(sizes))
+        for n, steps in zip(sizes, capped.num_steps(sizes)):
+            rows = step_rows(int(n), int(steps), eff)
+            assert max(rows) <= min(eff, n + -(-eff // 4) - 1), (b, n, rows)

@@ -260,3 +260,30 @@ def test_sharded_strategy_on_four_cpu_devices():
                          text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "sharded ok" in out.stdout
+
+
+def test_a_batch_larger_than_every_client_computes_only_the_clients_rows():
+    """B far above every client's size: each epoch is one batch of the whole client, so
+    a batch is never wider than the largest client (62 here) under any strategy, and the
+    rounds equal the sequential reference's at that B (which pads each batch to B rows)."""
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg()
+    work = LocalWork(batch_size=100_000, epochs=2.0)
+    ids = np.arange(len(SIZES))
+    for strategy, block in (("loop", None), ("vmap", 1), ("vmap", 3)):
+        ex = make_executor(strategy, algo, work, cd, variables, len(SIZES), block_size=block,
+                           workers=1)
+        sim = Simulation(algo, cd, work, ex, participation=1.0, aggregation="num_examples",
+                         seed=7)
+        state = sim.init(variables)
+        cohort = sim.cohort(state, 0)
+        assert sorted(cohort.ids.tolist()) == ids.tolist()
+        result = ex.run(state.server, cohort)
+        # Two epochs of one batch each. Alone, a client's rows rounded up to a quarter of
+        # 62 (27 -> 32, 39 -> 48, 19 -> 32, 36 -> 48, 62, 13 -> 16); in lockstep, 62.
+        alone = 2 * (32 + 48 + 32 + 48 + 62 + 16)
+        assert result.computed_examples == (alone if block in (None, 1) else
+                                            2 * len(SIZES) * 62), strategy
+        new, _ = sim.round(state)
+        server, _, _ = reference_round(algo, cd, work.batch_size, state.server, cohort)
+        assert max_rel_err(new.server, server) < 1e-5, strategy

@@ -8,7 +8,9 @@ sequential reference) sees the same batches; executors draw it once per epoch an
 it through the epoch's steps. A last partial batch of r examples is
 computed on `tail_rows` rows (r rounded up to a multiple of ceil(B/4): at most three
 compiled tail shapes, not one per size) or, where clients step in lockstep, on B rows; the
-padding rows are masked either way.
+padding rows are masked either way. No batch is wider than the largest client: the
+executors use min(B, largest size) for B, which gives the same batches and steps (a B
+above every client's size makes each epoch one batch of the whole client either way).
 
 Training batches may be augmented (`Augment`: torchvision's RandomCrop(padding) and
 RandomHorizontalFlip), inside the compiled step, each example from its own key

@@ -76,7 +76,10 @@ class ClientProgram:
 
     def __init__(self, algorithm: FederatedAlgorithm, work: LocalWork, data: ClientData):
         self.algorithm = algorithm
-        self.batch_size = work.batch_size
+        # No batch needs more rows than the largest client holds: with B above every
+        # client's size a batch is the whole client either way (same steps, same batches),
+        # and padding to B would compute B rows for it (B = 100,000 on 200 examples).
+        self.batch_size = min(work.batch_size, data.max_size)
         self.augment = work.augment
         self.stacked = algorithm.aggregator.stacked
         self.width = data.max_size

@@ -129,7 +129,7 @@ class Simulation:
         the seed apart from training's (masked past the client's data)."""
         ids = np.arange(self.data.num_clients)
         keys = client_keys(jax.random.fold_in(self._data_key, _ADAPT_STREAM), round_index, ids)
-        b = self.work.batch_size
+        b = min(self.work.batch_size, self.data.max_size)  # as the executors' batches
         return jax.vmap(lambda row, n, key: step_batch(
             self.data.images, self.data.labels, row, n, key, 0, b))(
             self.data.index_table, jnp.asarray(self.data.sizes, jnp.int32), keys)
