@@ -201,11 +201,21 @@ class BBPMatch(NamedTuple):
     counts: np.ndarray
 
 
+def new_neurons(local: int, width: int, cap: Optional[int]) -> int:
+    """How many new global neurons a client of `local` neurons may open against a global
+    layer of `width`: IBM's min(L_j, max(cap - L, 1)) (pfnm.py's `max_added`, cap 700),
+    but never so few that some of its neurons could not be placed (L + added >= L_j); all
+    L_j without a cap."""
+    if cap is None:
+        return local
+    return min(local, max(cap - width, 1, local - width))
+
+
 def _bbp_cost(w_j: np.ndarray, glob: np.ndarray, glob_prec: np.ndarray, counts: np.ndarray,
               prec_j: np.ndarray, prior_mean_prec: np.ndarray, prior_prec: np.ndarray,
-              gamma: float, num_clients: int) -> np.ndarray:
-    """(L_j, L + L_j) log-posterior gains: client neuron l joining global neuron i (first L
-    columns) or opening the k-th new one (the rest)."""
+              gamma: float, num_clients: int, added: Optional[int] = None) -> np.ndarray:
+    """(L_j, L + added) log-posterior gains: client neuron l joining global neuron i (first
+    L columns) or opening the k-th new one (the rest; `added` of them, default L_j)."""
     # sum_d (w + g)^2 / (prec_j + glob_prec) - g^2 / glob_prec, expanded into matmuls so
     # no (L_j, L, D) array is formed (1024-wide layers of 1025 inputs: 8 GiB otherwise).
     inv = 1.0 / (prec_j[None] + glob_prec)
@@ -215,23 +225,27 @@ def _bbp_cost(w_j: np.ndarray, glob: np.ndarray, glob_prec: np.ndarray, counts: 
     param = param + np.log(capped / (num_clients - capped))[None]
     new = (((w_j + prior_mean_prec) ** 2 / (prior_prec + prec_j)).sum(-1)
            - (prior_mean_prec ** 2 / prior_prec).sum())
-    k = np.arange(1, w_j.shape[0] + 1)
+    k = np.arange(1, (w_j.shape[0] if added is None else added) + 1)
     nonparam = new[:, None] - 2 * np.log(k)[None] + 2 * np.log(gamma / num_clients)
     return np.hstack([param, nonparam])
 
 
 def bbp_map(weights: Sequence[np.ndarray], *, sigma: Any = 1.0, sigma0: Any = 1.0,
             mu0: Any = 0.0, gamma: float = 7.0, iterations: int = 5,
-            rng: Optional[np.random.Generator] = None) -> BBPMatch:
+            rng: Optional[np.random.Generator] = None, cap: Optional[int] = 700) -> BBPMatch:
     """Matches J clients' neurons (weights[j]: (L_j, D), one row per neuron: its incoming
     weights and bias) by BBP-MAP: each client in turn is assigned by the Hungarian algorithm
     on `_bbp_cost` against the others' current global layer, first in decreasing L_j, then
     `iterations` sweeps in random order, each removing and re-matching one client. Gaussian
     neurons (variance sigma^2 around their global neuron, prior N(mu0, sigma0^2)), Indian
-    buffet prior with mass gamma; IBM's FedMA defaults. sigma, sigma0 and mu0 are scalars or
-    (D,) arrays (IBM's code: mu0 = 0.1 on the bias column). The returned weights are the
-    posterior means sum(w) / sigma^2 + mu0 / sigma0^2 over n / sigma^2 + 1 / sigma0^2: a
-    neuron held by one client comes back shrunk towards mu0."""
+    buffet prior with mass gamma; IBM's FedMA defaults. A client matched against L global
+    neurons opens at most `new_neurons(L_j, L, cap)` new ones (IBM's cap of 700 on the
+    layer's growth; None: no cap). sigma, sigma0 and mu0 are scalars or (D,) arrays. IBM's
+    `layer_wise_group_descent` sets mu0 = 0.1 on the bias column of the first layer only;
+    on later layers its prior vector puts 0.1 on column 0, the first incoming weight (its
+    neurons there are [weights, bias] as well, so the bias gets mu0 = 0). The returned
+    weights are the posterior means sum(w) / sigma^2 + mu0 / sigma0^2 over n / sigma^2 +
+    1 / sigma0^2: a neuron held by one client comes back shrunk towards mu0."""
     rng = rng if rng is not None else np.random.default_rng(0)
     ws = [np.asarray(w, np.float64) for w in weights]
     if not ws or any(w.ndim != 2 or w.shape[1] != ws[0].shape[1] for w in ws):
@@ -253,7 +267,7 @@ def bbp_map(weights: Sequence[np.ndarray], *, sigma: Any = 1.0, sigma0: Any = 1.
 
     def add(j, glob, glob_prec, counts):
         cost = _bbp_cost(normed[j], glob, glob_prec, counts, prec, prior_mean_prec,
-                         prior_prec, gamma, num)
+                         prior_prec, gamma, num, new_neurons(len(normed[j]), len(glob), cap))
         rows, cols = linear_sum_assignment(cost, maximize=True)
         out = np.empty(len(rows), np.int64)
         size = len(glob)

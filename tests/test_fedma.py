@@ -237,3 +237,52 @@ def test_bad_configs_are_refused(tmp_path, overrides, words):
     with pytest.raises(ConfigError, match=words.replace(".", r"\.").replace("(", r"\(")):
         experiment.train(_config(**overrides), str(tmp_path / "w"), progress=False)
     assert not (tmp_path / "w").exists()
+
+
+def test_own_initialisations_in_round_0_as_ibm(clients):
+    """own_init: in round 0 each client starts from its own random network. With one
+    client, the flat prior and no retraining FedMA returns that client's model, so the
+    round equals FedAvg's local training from init(fold_in(fold_in(seed, 0xFED), id))."""
+    model = models.build("mlp", 10, hidden=[12, 9])
+    variables = models.init(model, jax.random.PRNGKey(0), SHAPE)
+    driver = _driver(model, clients, participation=0.25, seed=4, sigma0=1e8, own_init=True)
+    (client,) = driver.sample(0)
+    own = models.init(model, jax.random.fold_in(jax.random.fold_in(
+        jax.random.PRNGKey(4), fedma.OWN_INIT_STREAM), int(client)), SHAPE)
+    algo = fedavg(model, _tx())
+    sim = Simulation(algo, clients, WORK, make_executor("loop", algo, WORK, clients, own, 1),
+                     participation=0.25, seed=4)
+    expected, _ = sim.round(sim.init(own))
+    got, stats = driver.round(driver.init(variables))
+    for name in ("fc1", "fc2", "head"):
+        np.testing.assert_allclose(got.server["params"][name]["kernel"],
+                                   expected.server.params[name]["kernel"], rtol=1e-5, atol=1e-6)
+    assert stats["download_bytes"] == 4 * (12 * 17 + 9 * 13) + 4 * 21  # layers, assignments
+    # Later rounds start from the global model as before.
+    again, _ = _driver(model, clients, participation=0.25, seed=4, sigma0=1e8,
+                       own_init=True).round(got._replace(round=1))
+    plain, _ = _driver(model, clients, participation=0.25, seed=4, sigma0=1e8).round(
+        got._replace(round=1))
+    for a, b in zip(jax.tree_util.tree_leaves(again.server), jax.tree_util.tree_leaves(plain.server)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_config_follows_ibm_for_the_cap_and_the_head_retraining():
+    cd = ClientData.create(np.zeros((8, 4, 4, 1), np.float32), np.arange(8) % 10,
+                           [np.arange(4), np.arange(4, 8)], 10)
+    model = models.build("mlp", 10, hidden=[4])
+    cfg = defaults.set_keys(_config(), {"fedma.retrain_epochs": 2.0, "optimizer.lr": 0.05,
+                                        "optimizer.momentum": 0.9})
+    driver = fedma.from_config(model, cfg, _tx(), cd, WORK)
+    assert driver.cap == 700 and not driver.own_init
+    assert driver.retrain.epochs == 2.0 and driver.head_retrain.epochs == 6.0
+    # The head's optimiser: lr / 10 with weight decay 1e-4 (one SGD step from rest).
+    params = {"w": jnp.asarray([1.0, -2.0])}
+    grads = {"w": jnp.asarray([0.5, 0.25])}
+    updates, _ = driver.head_tx.update(grads, driver.head_tx.init(params), params)
+    np.testing.assert_allclose(updates["w"], -0.005 * (grads["w"] + 1e-4 * params["w"]),
+                               rtol=1e-6)
+    same = fedma.from_config(model, defaults.set_keys(cfg, {"fedma.head_retrain": "same",
+                                                            "fedma.width_cap": 0}),
+                             _tx(), cd, WORK)
+    assert same.head_tx is None and same.head_retrain is None and same.cap is None

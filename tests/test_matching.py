@@ -146,3 +146,27 @@ def test_bbp_map_groups_noisy_copies_and_never_exceeds_the_total_width():
         assert np.max(np.abs(rows - rows.mean(0))) < 0.5
     with pytest.raises(ValueError, match="one D"):
         matching.bbp_map([np.zeros((2, 3)), np.zeros((2, 4))])
+
+
+def test_bbp_map_caps_the_new_neurons_as_ibm_does():
+    # IBM's pfnm.py: a client of L_j neurons against L global ones may open
+    # min(L_j, max(700 - L, 1)) new ones; never so few that one of its neurons has no place.
+    assert matching.new_neurons(5, 100, 700) == 5
+    assert matching.new_neurons(5, 698, 700) == 2
+    assert matching.new_neurons(5, 700, 700) == 1 and matching.new_neurons(5, 900, 700) == 1
+    assert matching.new_neurons(5, 2, 3) == 3  # L + added must reach L_j
+    assert matching.new_neurons(5, 900, None) == 5
+    # Four clients of 6 unrelated neurons each: uncapped, the layer grows to 13; capped at
+    # 8, after the first client each opens at most 2, then 1, then 1.
+    rng = np.random.default_rng(0)
+    clients = [rng.normal(size=(6, 5)) * 10 for _ in range(4)]
+    free = matching.bbp_map(clients, iterations=0, cap=None)
+    assert len(free.weights) == 13
+    capped = matching.bbp_map(clients, iterations=0, cap=8)
+    assert len(capped.weights) <= 6 + 2 + 1 + 1
+    for c, assign in zip(clients, capped.assignments):
+        assert len(set(assign.tolist())) == len(c)  # distinct places, all in range
+        assert assign.max() < len(capped.weights)
+    # Sweeps re-match a client against the others' layer: it may open one more each time.
+    swept = matching.bbp_map(clients, iterations=3, cap=8, rng=np.random.default_rng(1))
+    assert len(swept.weights) < len(free.weights) and swept.counts.sum() == 24

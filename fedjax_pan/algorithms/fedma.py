@@ -21,6 +21,16 @@ reused while widths stay the same.
 MLP and VGG, without normalisation and without PANs, as IBM's code: a PAN pins a neuron's
 encoding to its position, which matching reorders.
 
+As IBM's code by default: a client opens at most min(L_j, max(700 - L, 1)) new neurons when
+matched against L global ones (`width_cap`; 0: none); the retraining after the last hidden
+layer, where only the head is left to train, takes 3x the epochs at a tenth of the
+learning rate with weight decay 1e-4 (`head_retrain = "ibm"`; "same": as the other
+retrainings). IBM's first round starts every client from its own random initialisation
+(`own_init = True`; the default starts them all from the global model, as every other
+algorithm here, so that runs compare from one initial model). The prior mean `mu0_bias`
+sits on each neuron's bias on every layer, as in IBM's first layer (its later layers put
+it on the first incoming weight instead; `matching.bbp_map`).
+
 Bytes counted per round: up, every client's matched layers (weights and biases) and head;
 down, the global model at the start, then each matched layer and the client's assignment
 (int32 per neuron).
@@ -43,20 +53,26 @@ from fedjax_pan import permutation as perm_lib
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, tree_bytes,
                                         weighted_sum)
-from fedjax_pan.rules import between
+from fedjax_pan.rules import Rule, between, boolean, one_of
 
 PyTree = Any
 Variables = Dict[str, Any]
+OWN_INIT_STREAM = 0xFED  # folded into the seed's key for the clients' own initialisations
 
+HEAD_RETRAINS = ("ibm", "same")
 OPTIONS = {"sigma": 1.0, "sigma0": 1.0, "mu0_bias": 0.1, "gamma": 7.0, "iterations": 5,
-           "retrain_epochs": placeholder(float)}
+           "retrain_epochs": placeholder(float), "width_cap": 700, "own_init": False,
+           "head_retrain": "ibm"}
 # The matching squares 1 / sigma^2 and 1 / sigma0^2 into its costs; gamma enters as a log.
 # A sweep of `iterations` re-matches every client (16 clients of 512 3x3x256 filters: 40 s
 # a layer on a CPU), so 100 sweeps bound a round's matching to about an hour a layer.
 RULES = {"sigma": between(1e-4, 1e4), "sigma0": between(1e-4, 1e4),
          "mu0_bias": between(-100, 100), "gamma": between(1e-6, 1e6),
          "iterations": between(0, 100, integer=True),
-         "retrain_epochs": between(0, 1000, optional=True)}
+         "retrain_epochs": between(0, 1000, optional=True),
+         # 0: no cap. IBM's 700 bounds a layer's growth; 1e6 neurons is far past any layer.
+         "width_cap": between(0, 1e6, integer=True), "own_init": Rule(boolean),
+         "head_retrain": one_of(HEAD_RETRAINS)}
 
 
 def freeze(tx: optax.GradientTransformation, frozen: Sequence[str]
@@ -209,6 +225,12 @@ class FedMA:
     iterations: int = 5
     warmup: str = "none"
     warmup_length: int = 0
+    cap: Optional[int] = 700  # IBM's cap on a layer's growth (None: none)
+    own_init: bool = False  # round 0: each client from its own random initialisation
+    # The retraining after the last hidden layer (only the head trains): its optimiser
+    # and work (None: client_tx and `retrain`, as the others).
+    head_tx: Optional[optax.GradientTransformation] = None
+    head_retrain: Any = None
 
     # Checkpoints of a FedMA run hold networks whose widths grew: restore their shapes.
     shapes_change = True
@@ -234,15 +256,16 @@ class FedMA:
         return network_for(self.model, server), server
 
     def _train(self, net: nn.Module, frozen: Tuple[str, ...], work: Any,
-               states: List[Variables], ids: np.ndarray, round_index: int, stage: int):
-        """Every client's model trained by `work` with `frozen` fixed: (models, metric sums,
-        computed rows)."""
+               states: List[Variables], ids: np.ndarray, round_index: int, stage: int,
+               tx: Optional[optax.GradientTransformation] = None):
+        """Every client's model trained by `work` (with `tx`, default `client_tx`) with
+        `frozen` fixed: (models, metric sums, computed rows)."""
         from fedjax_pan.engine.clients import client_keys
         from fedjax_pan.engine.execution import Cohort, make_executor
-        key = (net, frozen, work)
+        tx = self.client_tx if tx is None else tx
+        key = (net, frozen, work, tx)
         if key not in self._executors:
-            algorithm = local_training(net, self.client_tx, frozen, self.warmup,
-                                       self.warmup_length)
+            algorithm = local_training(net, tx, frozen, self.warmup, self.warmup_length)
             self._executors[key] = make_executor(self.strategy, algorithm, work, self.data,
                                                  states[0], len(ids), self.block_size)
         stacked = jax.tree_util.tree_map(lambda *x: jnp.asarray(np.stack(x)), *states)
@@ -267,7 +290,14 @@ class FedMA:
         net = network_for(self.model, server)
         down = m * tree_bytes(server)
         up = 0
-        clients, sums, computed = self._train(net, (), self.work, [server] * m, ids, r, 0)
+        starts = [server] * m
+        if r == 0 and self.own_init:  # IBM: every client's own random network
+            shape = tuple(self.data.images.shape[1:])
+            key = jax.random.fold_in(jax.random.PRNGKey(self.seed), OWN_INIT_STREAM)
+            starts = [jax.tree_util.tree_map(np.asarray, models.init(
+                net, jax.random.fold_in(key, int(k)), shape)) for k in ids]
+            down = 0  # nothing is sent before the clients train
+        clients, sums, computed = self._train(net, (), self.work, starts, ids, r, 0)
         real = real_examples(self.work, self.data.sizes[ids])
         stats = {"train_loss": float(sums["loss_sum"]) / max(float(sums["num_examples"]), 1)}
         retrain_loss = retrain_count = 0.0
@@ -279,7 +309,8 @@ class FedMA:
             mu0[-1] = self.mu0_bias
             match = matching.bbp_map(rows, sigma=self.sigma, sigma0=self.sigma0, mu0=mu0,
                                      gamma=self.gamma, iterations=self.iterations,
-                                     rng=np.random.default_rng([self.seed, r, i]))
+                                     rng=np.random.default_rng([self.seed, r, i]),
+                                     cap=self.cap)
             width = len(match.weights)
             matched[name] = from_neuron_matrix(match.weights,
                                                clients[0]["params"][name]["kernel"].shape)
@@ -291,12 +322,16 @@ class FedMA:
                 c["params"][name] = dict(matched[name])
             net = models.resized(net, {name: width})
             if self.retrain is not None:
+                last = i == len(self.hidden) - 1
+                work = self.head_retrain if last and self.head_retrain is not None else (
+                    self.retrain)
                 clients, sums, rows_computed = self._train(
-                    net, self.hidden[:i + 1], self.retrain, clients, ids, r, i + 1)
+                    net, self.hidden[:i + 1], work, clients, ids, r, i + 1,
+                    self.head_tx if last else None)
                 retrain_loss += float(sums["loss_sum"])
                 retrain_count += float(sums["num_examples"])
                 computed += rows_computed
-                real += real_examples(self.retrain, self.data.sizes[ids])
+                real += real_examples(work, self.data.sizes[ids])
         heads = [c["params"]["head"] for c in clients]
         up += m * tree_bytes(heads[0])
         counts = np.asarray(self.data.label_counts)[ids]
@@ -320,9 +355,17 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     retrain = (None if epochs == 0 else
                LocalWork(work.batch_size, epochs, work.mode, work.local_steps, work.augment))
     opt = cfg.optimizer
+    head_tx = head_retrain = None
+    if o.head_retrain == "ibm" and retrain is not None:
+        # IBM's main.py: the last retraining at lr / 10 with weight decay 1e-4, 3x epochs.
+        head_tx = local_lib.client_optimizer(opt.lr / 10, opt.momentum, 1e-4, opt.grad_clip)
+        head_retrain = dataclasses.replace(retrain, epochs=3 * epochs,
+                                           local_steps=None if retrain.local_steps is None
+                                           else 3 * retrain.local_steps)
     return FedMA(model, client_tx, data, work, retrain, cfg.participation, cfg.seed,
                  cfg.execution.strategy, cfg.execution.block_size, o.sigma, o.sigma0,
-                 o.mu0_bias, o.gamma, int(o.iterations), opt.warmup, opt.warmup_length)
+                 o.mu0_bias, o.gamma, int(o.iterations), opt.warmup, opt.warmup_length,
+                 int(o.width_cap) or None, bool(o.own_init), head_tx, head_retrain)
 
 
 def _no_round(model, cfg, client_tx, server_tx):
