@@ -322,10 +322,14 @@ def _read_metrics(path: str, up_to_round: int) -> List[Dict[str, Any]]:
 def summarize(rows: List[Dict[str, Any]], last: int = 5) -> Dict[str, float]:
     """Final accuracy = mean test accuracy of the last `last` evaluations (paper Fig. 10)."""
     acc = [r["test_accuracy"] for r in rows]
-    return {"final_accuracy": float(np.mean(acc[-last:])) if acc else float("nan"),
-            "best_accuracy": float(np.max(acc)) if acc else float("nan"),
-            "final_loss": float(np.mean([r["test_loss"] for r in rows[-last:]])) if rows else
-            float("nan")}
+    out = {"final_accuracy": float(np.mean(acc[-last:])) if acc else float("nan"),
+           "best_accuracy": float(np.max(acc)) if acc else float("nan"),
+           "final_loss": float(np.mean([r["test_loss"] for r in rows[-last:]])) if rows else
+           float("nan")}
+    own = [r["pfl_accuracy"] for r in rows if "pfl_accuracy" in r]
+    if own:  # each client on its own test part (a personalised algorithm's own result)
+        out["final_pfl_accuracy"] = float(np.mean(own[-last:]))
+    return out
 
 
 def plot_curves(runs: Dict[str, List[Dict[str, Any]]], path: str, title: str = "",
@@ -440,6 +444,12 @@ def _divergence(loss: float, cfg: ml_collections.ConfigDict) -> Optional[str]:
     why = ("is not finite" if not math.isfinite(loss) else
            f"exceeds config.max_train_loss={cfg.max_train_loss:g}")
     return f"training loss {loss:.4g} {why}"
+
+
+def _alive(state: SimState) -> bool:
+    """Whether none of `state`'s arrays was donated to (and deleted by) a later call."""
+    return not any(isinstance(x, jax.Array) and x.is_deleted()
+                   for x in jax.tree_util.tree_leaves((state.server, state.client_states)))
 
 
 def _divergence_advice(cfg: ml_collections.ConfigDict) -> str:
@@ -572,36 +582,38 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             while state.round < cfg.rounds:
                 t0 = time.time()
                 new_state, stats = exp.simulation.round(state)
-                loss, r = stats["train_loss"], new_state.round
-                why = _divergence(loss, cfg)
-                if why:
-                    if state.round > last_saved:
-                        save(state)
-                    kept = (f"the last good checkpoint (round {last_saved}) is kept in "
-                            f"{ckpt.directory}" if last_saved else
-                            "no round completed, so nothing was kept")
-                    raise TrainingDiverged(f"training diverged in round {r}: {why}; {kept}; "
-                                           f"{_divergence_advice(cfg)}")
-                row = None
-                if r % cfg.eval.every == 0 or r == cfg.rounds:
-                    net, evaluated = exp.simulation.evaluation(new_state.server)
-                    ev = exp.evaluate(evaluated, net)
-                    # The algorithm's own metrics (train_*) follow the engine's.
-                    row = {"round": r, "test_accuracy": ev["accuracy"], "test_loss": ev["loss"],
-                           **{k: v for k, v in stats.items() if k.startswith("train_")},
-                           "upload_bytes": stats["upload_bytes"],
-                           **({"download_bytes": stats["download_bytes"]}
-                              if "download_bytes" in stats else {}),
-                           "seconds": time.time() - t0}
-                    if exp.client_evaluate is not None:
-                        row.update(evaluate_clients(exp, new_state, net, evaluated))
-                    if cfg.eval.local:
-                        local_acc = label_mix @ ev["class_accuracy"]
-                        row.update(local_test_accuracy_mean=float(local_acc.mean()),
-                                   local_test_accuracy_min=float(local_acc.min()),
-                                   local_test_accuracy_std=float(local_acc.std()))
-                # A round's bookkeeping and files complete before a signal is acted on.
+                # Once a round has run, its evaluation, files and checkpoint complete before a
+                # signal is acted on: the state it started from may be gone (donated buffers).
                 with workdir_lib.deferred_interrupts():
+                    loss, r = stats["train_loss"], new_state.round
+                    why = _divergence(loss, cfg)
+                    if why:
+                        if state.round > last_saved and _alive(state):
+                            save(state)
+                        kept = (f"the last good checkpoint (round {last_saved}) is kept in "
+                                f"{ckpt.directory}" if last_saved else
+                                "no round completed, so nothing was kept")
+                        raise TrainingDiverged(f"training diverged in round {r}: {why}; {kept}; "
+                                               f"{_divergence_advice(cfg)}")
+                    row = None
+                    if r % cfg.eval.every == 0 or r == cfg.rounds:
+                        net, evaluated = exp.simulation.evaluation(new_state.server)
+                        ev = exp.evaluate(evaluated, net)
+                        # The algorithm's own metrics (train_*) follow the engine's.
+                        row = {"round": r, "test_accuracy": ev["accuracy"],
+                               "test_loss": ev["loss"],
+                               **{k: v for k, v in stats.items() if k.startswith("train_")},
+                               "upload_bytes": stats["upload_bytes"],
+                               **({"download_bytes": stats["download_bytes"]}
+                                  if "download_bytes" in stats else {}),
+                               "seconds": time.time() - t0}
+                        if exp.client_evaluate is not None:
+                            row.update(evaluate_clients(exp, new_state, net, evaluated))
+                        if cfg.eval.local:
+                            local_acc = label_mix @ ev["class_accuracy"]
+                            row.update(local_test_accuracy_mean=float(local_acc.mean()),
+                                       local_test_accuracy_min=float(local_acc.min()),
+                                       local_test_accuracy_std=float(local_acc.std()))
                     state = new_state
                     run.rounds += 1
                     run.real += stats["real_examples"]
@@ -621,11 +633,13 @@ def _train(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                     bar.update(1)
         except KeyboardInterrupt as e:
             with workdir_lib.deferred_interrupts():  # a second Ctrl-C must not cut the save
-                if state.round > last_saved:
+                # A round cut short may have consumed its starting state's buffers; then the
+                # last checkpoint stands (its record of the rows goes with it).
+                if state.round > last_saved and _alive(state):
                     save(state)
-            done = (f"{workdir_lib.rounds_text(state.round)} "
-                    f"{'is' if state.round == 1 else 'are'} saved in {workdir}"
-                    if state.round else "no round of it was saved")
+            done = (f"{workdir_lib.rounds_text(last_saved)} "
+                    f"{'is' if last_saved == 1 else 'are'} saved in {workdir}"
+                    if last_saved else "no round of it was saved")
             raise workdir_lib.interrupted(e, f"interrupted in round {state.round + 1}; "
                                           f"{done}") from None
         finally:
@@ -736,12 +750,17 @@ def format_table(summaries: Dict[str, Dict[str, Any]],
     also each group's mean +- std over seeds and its difference to the first group paired
     by seed."""
     width = max([12, *(len(n) for n in summaries)])
-    head = (f"{'variant':<{width}} {'final acc (last 5)':>18} {'best acc':>9} {'rounds':>6} "
-            f"{'time':>8}")
+    # Clients scored on their own test parts: a personalised algorithm's result, beside
+    # the global model's (KT-pFL's is its initial one).
+    own = any("final_pfl_accuracy" in s for s in summaries.values())
+    head = (f"{'variant':<{width}} {'final acc (last 5)':>18} {'best acc':>9} "
+            + (f"{'own test (last 5)':>18} " if own else "") + f"{'rounds':>6} {'time':>8}")
     lines = [head, "-" * len(head)]
     for name, s in summaries.items():
+        mine = (f"{100 * s['final_pfl_accuracy']:>17.2f}% " if "final_pfl_accuracy" in s
+                else f"{'-':>18} ") if own else ""
         lines.append(f"{name:<{width}} {100 * s['final_accuracy']:>17.2f}% "
-                     f"{100 * s['best_accuracy']:>8.2f}% {s['rounds']:>6} "
+                     f"{100 * s['best_accuracy']:>8.2f}% {mine}{s['rounds']:>6} "
                      f"{s['wall_seconds']:>7.0f}s")
     if groups and any(len(m) > 1 for m in groups.values()):
         table = compare_groups(summaries, groups)

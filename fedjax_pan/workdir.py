@@ -243,8 +243,8 @@ def claim(workdir: str, *, overwrite: bool = False, resume: bool = False) -> Ite
     except BaseException as e:
         kept = resume or _made_progress(workdir)
         if isinstance(e, KeyboardInterrupt):  # a signal outside a round: say what is kept
-            e = Interrupted("interrupted; " + (f"{workdir} keeps the rounds saved so far"
-                                               if kept else "nothing was saved"),
+            e = Interrupted(f"interrupted; {workdir} keeps the rounds saved so far" if kept
+                            else f"interrupted before {workdir} saved a round",
                             signal_number(e))
         if kept:
             if aside is not None:

@@ -450,3 +450,51 @@ def test_divergence_advice_names_the_options_set_away_from_their_default(tmp_pat
                                                           r"optimizer.lr or optimizer.grad_clip$"):
         experiment.train(config(rounds=1, max_train_loss=0.01), str(tmp_path / "w"),
                          progress=False)
+
+
+@pytest.mark.parametrize("when", ["evaluating", "returning"])
+def test_a_signal_after_a_round_ran_keeps_rows_and_checkpoints_consistent(tmp_path,
+                                                                          monkeypatch, when):
+    """FedPer keeps per-client state, whose buffers a round donates. A SIGTERM while round
+    3 is evaluated waits for its files and is saved with it; one as round 4 returns (round
+    3's state, never checkpointed, already consumed) leaves the checkpoint of round 2, which
+    the message names; either way rows and checkpoints agree, and --resume finishes the
+    run as an uninterrupted one."""
+    import signal
+
+    from fedjax_pan import workdir
+    from fedjax_pan.engine.simulation import Simulation
+    calls = []
+    if when == "evaluating":
+        original = experiment.evaluate_clients
+
+        def evaluate_then_term(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return original(*args, **kwargs)
+        monkeypatch.setattr(experiment, "evaluate_clients", evaluate_then_term)
+    else:
+        original = Simulation.round
+
+        def round_then_term(self, state):
+            out = original(self, state)
+            calls.append(1)
+            if len(calls) == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return out
+        monkeypatch.setattr(Simulation, "round", round_then_term)
+    w = str(tmp_path / "w")
+    cfg = config(rounds=4, checkpoint_every=2, algorithm="fedper", partition__test_fraction=0.25)
+    with workdir.sigterm_unwinds(), pytest.raises(experiment.Interrupted) as info:
+        experiment.train(cfg, w, progress=False)
+    saved = 3 if when == "evaluating" else 2
+    assert info.value.status == 143
+    assert str(info.value) == (f"interrupted in round 4; rounds 1-{saved} are saved in {w}; "
+                               f"continue with --resume")
+    assert max(int(d) for d in os.listdir(os.path.join(w, "checkpoints"))) == saved
+    monkeypatch.undo()
+    experiment.train(cfg, w, resume=True, progress=False)
+    straight = str(tmp_path / "straight")
+    experiment.train(cfg, straight, progress=False)
+    assert metrics(w) == metrics(straight)

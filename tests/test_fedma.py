@@ -263,7 +263,8 @@ def test_own_initialisations_in_round_0_as_ibm(clients):
                        own_init=True).round(got._replace(round=1))
     plain, _ = _driver(model, clients, participation=0.25, seed=4, sigma0=1e8).round(
         got._replace(round=1))
-    for a, b in zip(jax.tree_util.tree_leaves(again.server), jax.tree_util.tree_leaves(plain.server)):
+    for a, b in zip(jax.tree_util.tree_leaves(again.server),
+                    jax.tree_util.tree_leaves(plain.server)):
         np.testing.assert_array_equal(a, b)
 
 

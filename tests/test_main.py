@@ -185,4 +185,10 @@ def test_personalised_algorithms_run_on_the_smoke_preset_as_they_are(tmp_path, c
     assert "config.partition.test_fraction must be > 0" in err and not w.exists()
     assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", f"--config.algorithm={algorithm}",
                       "--config.rounds=1", "--config.partition.test_fraction=0.25"]) == 0
-    assert _rows(w)[0]["pfl_accuracy"] > 0
+    own = _rows(w)[0]["pfl_accuracy"]
+    assert own > 0
+    # The table shows what the algorithm keeps: each client's model on its own test part.
+    out = capsys.readouterr().out
+    assert "own test (last 5)" in out and f"{100 * own:.2f}%" in out
+    with open(w / "summary.json") as f:
+        assert json.load(f)["final_pfl_accuracy"] == own

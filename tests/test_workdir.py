@@ -128,8 +128,8 @@ def test_a_fresh_run_that_fails_before_a_round_leaves_no_trace(tmp_path):
     assert info.value.status == 130
     assert os.listdir(w) == ["config.json"]
     # A fresh run interrupted before its first round: nothing kept, the command runs again.
-    with pytest.raises(Interrupted, match=r"^interrupted; nothing was saved; run the command "
-                                          r"again$"):
+    with pytest.raises(Interrupted, match=r"^interrupted before \S+fresh saved a round; run "
+                                          r"the command again$"):
         with wd.claim(str(tmp_path / "fresh")):
             raise KeyboardInterrupt
     assert not (tmp_path / "fresh").exists()
@@ -249,3 +249,17 @@ def test_stderr_of_a_failed_block_is_dropped_and_of_a_good_one_kept(capfd):
         os.write(2, b"a warning worth seeing\n")
     err = capfd.readouterr().err
     assert "dying writer" not in err and "a warning worth seeing" in err
+
+
+def test_a_run_interrupted_before_its_first_round_inside_a_kept_folder(tmp_path):
+    # A script's next run, interrupted while it was being set up: its own folder goes,
+    # the script's folder with the finished runs stays, and --resume continues.
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted) as info:
+        with wd.claim(str(out)):
+            (out / "runs" / "a" / "checkpoints" / "2").mkdir(parents=True)
+            with wd.claim(str(out / "runs" / "b")):
+                raise KeyboardInterrupt
+    assert str(info.value) == (f"interrupted before {out / 'runs' / 'b'} saved a round; "
+                               f"continue with --resume")
+    assert sorted(os.listdir(out / "runs")) == ["a"]
