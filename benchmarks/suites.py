@@ -38,10 +38,9 @@ from benchmarks import profile_step, throughput
 from benchmarks.naive import NaiveFedAvg, engine_orders, max_rel_diff
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
-from fedjax_pan import permutation as perm_lib
 from fedjax_pan.models.grouped import GroupedConfig
 from fedjax_pan.algorithms import client_optimizer, fedavg, local, tree_bytes
-from fedjax_pan.algorithms.shuffle import with_shuffling
+from fedjax_pan.defaults import set_keys
 from fedjax_pan.engine import (ClientData, LocalWork, Simulation, count_compiles,
                                make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.clients import real_examples
@@ -757,51 +756,52 @@ def profile_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
     return {"batch_size": settings.batch_size, "rows": rows}
 
 
-def _own_driver(entry: Any, model: Any, cfg: Any, client_tx: Any, w: "Workload") -> Any:
-    """The algorithm's own driver for `cfg` (FedMA's), or None where `cfg` runs as one
-    compiled round (every algorithm without a driver; KT-pFL with one architecture)."""
-    if entry.driver is None:
-        return None
-    public = {"public": w.data.images[:500]} if entry.public else {}
-    return entry.driver(model, cfg, client_tx, w.data, w.work, **public)
+def _bench_round(cfg: Any, model: Any, variables: Any, w: "Workload") -> Any:
+    """The round `cfg.algorithm` runs on the bench's clients, assembled as every run is
+    (`assembly.make_round`); an algorithm distilling on public data gets the first 500
+    training images."""
+    from fedjax_pan.algorithms import registry
+    from fedjax_pan.assembly import make_round
+    public = w.data.images[:500] if registry.ALGORITHMS[cfg.algorithm].public else None
+    return make_round(cfg, model, variables, w.data, w.work, public)
+
+
+def _bench_config(settings: Settings, w: "Workload", per_round: int) -> Any:
+    """The default config with the bench's optimiser (plain momentum SGD at the bench's
+    rate, no weight decay, no clipping, no warm-up), participation and seed."""
+    from fedjax_pan.defaults import default_config
+    cfg = default_config()
+    cfg.seed = settings.seed
+    cfg.participation = per_round / w.data.num_clients
+    cfg.partition.num_clients = w.data.num_clients
+    opt = cfg.optimizer
+    opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip, opt.warmup = (
+        settings.learning_rate, settings.momentum, 0.0, 0.0, "none")
+    return cfg
 
 
 def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
     """The MLP bench round (training and aggregation, no evaluation) per registered
     algorithm with its default options, relative to FedAvg; the memory each keeps per
     client (all K) and a stacked aggregation rule's buffer (M outputs)."""
-    from fedjax_pan import algorithms as algo_lib
     from fedjax_pan.algorithms import registry
-    from fedjax_pan.defaults import default_config
 
     w = mlp_workload(settings, settings.mlp_clients)
     m_per = settings.mlp_per_round
-    cfg = default_config()
-    client_tx = client_optimizer(settings.learning_rate, settings.momentum, 0.0, None)
-    server_tx = registry.server_optimizer("sgd", 1.0)
+    cfg = _bench_config(settings, w, m_per)
     strategy = resolve_strategy("auto", w.variables)
     reps = 1 if settings.quick else settings.reps
     out: Dict[str, Any] = {}
-    for name, entry in registry.ALGORITHMS.items():
-        with cfg.unlocked():
-            cfg.algorithm, cfg.optimizer.warmup = name, "none"
-            cfg.optimizer.lr = settings.learning_rate
-            cfg.partition.num_clients = w.data.num_clients
-        if _own_driver(entry, w.model, cfg, client_tx, w) is not None:
-            continue  # its own rounds and network: `driver_rows` below
+    for name in registry.ALGORITHMS:
+        cfg.algorithm = name
         model, variables = w.model, w.variables
         if name == "fed2":  # needs a grouped network: the bench MLP, last 3 layers in 10 groups
             model = w.model.clone(grouped=GroupedConfig(groups=10, depth=3))
             variables = models.init(model, jax.random.PRNGKey(settings.seed),
                                     tuple(w.data.images.shape[1:]))
-        if entry.public:  # KT-pFL distils on public data: the first 500 examples here
-            algorithm = entry.build(model, cfg, client_tx, server_tx,
-                                    public=w.data.images[:500])
-        else:
-            algorithm = entry.build(model, cfg, client_tx, server_tx)
-        ex = make_executor(strategy, algorithm, w.work, w.data, variables, m_per)
-        sim = Simulation(algorithm, w.data, w.work, ex, m_per / w.data.num_clients,
-                         seed=settings.seed)
+        sim = _bench_round(cfg, model, variables, w)
+        if not isinstance(sim, Simulation):
+            continue  # its own driver for this config: `driver_rows` below
         m = time_engine(sim, variables, None, settings.warmup, reps, settings.slow_round_s)
         rec = summarize(m, w.flops_per_example, ceiling)
         state = sim.init(variables)
@@ -815,26 +815,23 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
     for rec in out.values():
         rec["vs_fedavg"] = rec["seconds_per_round"] / out["fedavg"]["seconds_per_round"]
 
-    def fedavg_variant(algorithm):
-        ex = make_executor(strategy, algorithm, w.work, w.data, w.variables, m_per)
-        sim = Simulation(algorithm, w.data, w.work, ex, m_per / w.data.num_clients,
-                         seed=settings.seed)
+    def fedavg_variant(changes):
+        variant = set_keys(cfg.copy_and_resolve_references(), {"algorithm": "fedavg", **changes})
+        sim = _bench_round(variant, w.model, w.variables, w)
         m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s)
         seconds = summarize(m, w.flops_per_example, ceiling)["seconds_per_round"]
         return {"seconds_per_round": seconds,
                 "vs_fedavg": seconds / out["fedavg"]["seconds_per_round"]}
 
-    plain = algo_lib.fedavg(w.model, client_tx)
     # A stacked rule (median) keeps every sampled client's output: M FedAvg deltas.
-    median = {**fedavg_variant(plain._replace(aggregator=algo_lib.median())),
+    median = {**fedavg_variant({"aggregation.rule": "median"}),
               "stacked_outputs_mib": m_per * tree_bytes(w.variables) / 2**20}
     log(f"[algorithms] fedavg + median: {median['seconds_per_round']:.3f} s/round, "
         f"{median['stacked_outputs_mib']:.1f} MiB of stacked outputs")
     # The PAN paper's shuffling during local training (Alg. 2, Fig. 5: P_sf = 0.1).
-    spec = perm_lib.spec_for(w.model, w.variables)
     shuffled = {}
     for n_sf in (1.0, 5.0):
-        shuffled[f"{n_sf:g}"] = fedavg_variant(with_shuffling(plain, spec, 0.1, n_sf))
+        shuffled[f"{n_sf:g}"] = fedavg_variant({"shuffle.n_sf": n_sf, "shuffle.p_sf": 0.1})
         log(f"[algorithms] fedavg + Alg. 2 shuffling, N_sf {n_sf:g}: "
             f"{shuffled[f'{n_sf:g}']['seconds_per_round']:.3f} s/round")
     return {"strategy": strategy, "workload": w.describe(m_per), "algorithms": out,
@@ -854,11 +851,9 @@ def driver_rows(settings: Settings, w: Workload, cfg: Any, strategy: str,
     variables = models.init(model, jax.random.PRNGKey(settings.seed),
                             tuple(w.data.images.shape[1:]))
     m_per = settings.mlp_per_round
-    client_tx = client_optimizer(settings.learning_rate, settings.momentum, 0.0, None)
-    algorithm = fedavg(model, client_tx)
-    sim = Simulation(algorithm, w.data, w.work, make_executor(
-        strategy, algorithm, w.work, w.data, variables, m_per), m_per / w.data.num_clients,
-        seed=settings.seed)
+    sim = _bench_round(set_keys(cfg.copy_and_resolve_references(),
+                                {"algorithm": "fedavg", "execution.strategy": strategy}),
+                       model, variables, w)
     reps = 1 if settings.quick else settings.reps
     base = time_engine(sim, variables, None, settings.warmup, reps, settings.slow_round_s)
     model_bytes = float(tree_bytes(variables))
@@ -867,12 +862,12 @@ def driver_rows(settings: Settings, w: Workload, cfg: Any, strategy: str,
                   "download_mib": m_per * model_bytes / 2**20}
     out = {}
     for name, entry in registry.ALGORITHMS.items():
-        with cfg.unlocked():
-            cfg.algorithm, cfg.participation = name, m_per / w.data.num_clients
-            cfg.execution.strategy = strategy
-        driver = _own_driver(entry, model, cfg, client_tx, w)
-        if driver is None:
+        if entry.driver is None:
             continue
+        cfg.algorithm, cfg.execution.strategy = name, strategy
+        driver = _bench_round(cfg, model, variables, w)
+        if isinstance(driver, Simulation):
+            continue  # one compiled round for this config (KT-pFL with one architecture)
         m = time_engine(driver, variables, None, settings.warmup, reps, settings.slow_round_s)
         stats = m.last_stats
         rec = {"seconds_per_round": float(np.median(m.train_s)), "reps": len(m.train_s),

@@ -414,15 +414,12 @@ class ArrayData:
 
 def load_data(name: str, seed: int = 0, train_limit: Optional[int] = None,
               test_limit: Optional[int] = None) -> ArrayData:
-    """Dataset `name` ('synthetic' = fedjax_pan.data.synthetic) normalised, optionally
+    """Dataset `name` (the library's loader, `assembly.load_dataset`) normalised, optionally
     subsampled (a seeded random subset, kept in original order)."""
     from fedjax_pan import data as data_lib
+    from fedjax_pan.assembly import load_dataset
 
-    if name == "synthetic":
-        ds = data_lib.synthetic(train_limit or 1000, test_limit or 200, seed=seed)
-    else:
-        ds = data_lib.subset(data_lib.load(name), train_limit, test_limit, seed)
-
+    ds = load_dataset(name, seed=seed, train_limit=train_limit, test_limit=test_limit)
     stats = data_lib.normalization(ds)
 
     def normalized(x: np.ndarray) -> np.ndarray:
@@ -553,29 +550,28 @@ def fl_config(setup: FLSetup, pan: Pan, seed: int):
 
 def train_fl_run(cfg: Any, run_dir: str, ctx: Context, desc: str = "FL"
                  ) -> Tuple[Any, Any, Dict[str, Any]]:
-    """FedAvg `cfg` through the library's workdir (`train_run` into `run_dir`, a checkpoint
-    every round), so that with --resume an interrupted run continues and a finished one is
-    read back; returns (experiment, state of the last round, info) with info
+    """FedAvg `cfg` through the library's workdir (into `run_dir`, a checkpoint every
+    round), so that with --resume an interrupted run continues and a finished one is read
+    back; returns (experiment, state of the last round, info) with info
     {"train_loss": per round, "test_accuracy": final global model}.
     Raises TrainingDiverged if the run diverged."""
-    from fedjax_pan import experiment, workdir
-    from fedjax_pan.engine.simulation import SimState
+    from fedjax_pan import experiment
     from fedjax_pan.errors import TrainingDiverged
 
     cfg = cfg.copy_and_resolve_references()
     cfg.checkpoint_every = 1
-    summary, diverged = train_run(cfg, run_dir, ctx, desc)
-    if diverged:
+    diverged = os.path.join(run_dir, "diverged.json")
+    started = os.path.isfile(os.path.join(run_dir, "config.json"))
+    if ctx.resume and started and os.path.isfile(diverged):
         raise TrainingDiverged(f"{desc}: training diverged (see {run_dir})")
-    exp = experiment.build(cfg)
-    state = exp.simulation.init(exp.variables)
-    ckpt = workdir.Checkpoints(run_dir)
     try:
-        tree, _ = ckpt.restore(cfg.rounds, (state.server, state.client_states),
-                               saved_shapes=exp.simulation.shapes_change)
-    finally:
-        ckpt.close()
-    state = SimState(*tree, cfg.rounds)
+        # A finished run resumes with no round to run: its final state comes back as it is.
+        summary = experiment.train(cfg, run_dir, resume=ctx.resume and started,
+                                   progress=ctx.progress, desc=desc)
+    except TrainingDiverged as e:
+        write_json(diverged, {"error": str(e)})
+        raise TrainingDiverged(f"{desc}: training diverged (see {run_dir})") from None
+    exp, state = summary.experiment, summary.state
     accuracy = float(exp.evaluate(global_variables(exp, state))["accuracy"])
     return exp, state, {"train_loss": [float(r["train_loss"]) for r in read_curve(run_dir)],
                         "test_accuracy": accuracy}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from fedjax_pan import defaults, experiment
+from fedjax_pan import assembly, defaults, experiment, training
 from fedjax_pan.engine import count_compiles
 
 
@@ -300,7 +300,7 @@ def test_a_full_disk_while_logging_metrics(tmp_path, monkeypatch):
         if str(path).endswith("metrics.jsonl") and mode == "a":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         return real_open(path, mode, *args, **kwargs)
-    monkeypatch.setattr(experiment, "open", fake_open, raising=False)
+    monkeypatch.setattr(training, "open", fake_open, raising=False)
     with pytest.raises(experiment.WorkdirError,
                        match=r"metrics.jsonl: No space left on device.*no round of it was saved; "
                              r"free space; run the command again$"):
@@ -314,7 +314,7 @@ def test_a_read_only_workdir_fails_before_the_data_loads(tmp_path, monkeypatch):
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
     monkeypatch.setattr(workdir_lib.tempfile, "mkstemp", read_only)
-    monkeypatch.setattr(experiment, "build", lambda *a, **k: pytest.fail("data was loaded"))
+    monkeypatch.setattr(assembly, "build", lambda *a, **k: pytest.fail("data was loaded"))
     with pytest.raises(experiment.WorkdirError, match="Read-only file system"):
         experiment.train(config(), str(tmp_path / "w"), progress=False)
     assert not (tmp_path / "w").exists()
@@ -322,7 +322,7 @@ def test_a_read_only_workdir_fails_before_the_data_loads(tmp_path, monkeypatch):
 
 def test_a_refused_workdir_costs_no_data_loading(tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("keep me")
-    monkeypatch.setattr(experiment, "build", lambda *a, **k: pytest.fail("data was loaded"))
+    monkeypatch.setattr(assembly, "build", lambda *a, **k: pytest.fail("data was loaded"))
     for preset in ("smoke", "compare"):
         with pytest.raises(experiment.ConfigError, match="not empty"):
             experiment.run(config(preset), str(tmp_path), progress=False)
@@ -466,14 +466,14 @@ def test_a_signal_after_a_round_ran_keeps_rows_and_checkpoints_consistent(tmp_pa
     from fedjax_pan.engine.simulation import Simulation
     calls = []
     if when == "evaluating":
-        original = experiment.evaluate_clients
+        original = training.evaluate_clients
 
         def evaluate_then_term(*args, **kwargs):
             calls.append(1)
             if len(calls) == 3:
                 os.kill(os.getpid(), signal.SIGTERM)
             return original(*args, **kwargs)
-        monkeypatch.setattr(experiment, "evaluate_clients", evaluate_then_term)
+        monkeypatch.setattr(training, "evaluate_clients", evaluate_then_term)
     else:
         original = Simulation.round
 

@@ -638,9 +638,9 @@ def test_ctrl_c_while_a_curve_is_drawn_finishes_it_first(tmp_path, monkeypatch, 
     import signal as signal_lib
 
     from experiments import personalized
-    from fedjax_pan import experiment
+    from fedjax_pan import reporting
     out = str(tmp_path / "p")
-    _kill_self_on_call(monkeypatch, experiment, "plot_curves", signal_lib.SIGINT, 1)
+    _kill_self_on_call(monkeypatch, reporting, "plot_curves", signal_lib.SIGINT, 1)
     assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 130
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and re.fullmatch(r"error: interrupted; \S+ keeps the rounds saved so "

@@ -1,145 +1,19 @@
-"""The federated-algorithm interface: a few pure functions over pytrees.
-
-Every function takes its state first, then its inputs, and returns the new state first:
-
-    server_init(variables)                        -> server_state
-    client_state_init(server_state)               -> client_state   (None: stateless)
-    client_init(server_state, client_state, ctx)  -> local_state
-    client_step(local_state, batch, server_state) -> (local_state, step_metrics)
-    client_output(local_state, server_state)      -> (output, client_state)
-    server_update(server_state, aggregate, info)  -> server_state
-    eval_variables(server_state)                  -> model variables to evaluate
-    personal_variables(server_state, client_state) -> the variables a client evaluates on
-                                                     its own test data (optional; None:
-                                                     the global model)
-    personal_adapt(server_state, client_state, batch) -> the same, adapted on one batch of
-                                                     the client's training data first
-                                                     (optional; Per-FedAvg's one step)
-    aggregator                                    how outputs become `aggregate`
-    upload_bytes(output, local_state)             -> bytes sent (optional)
-
-`ctx` is a `ClientContext`; `server_state` in `client_step` is the round's broadcast
-(read-only: a client need not copy it into its local state). `batch` is
-{'x': (B, H, W, C) float32, 'y': (B,) int32, 'mask': (B,) float32}; padded examples have
-mask 0. `step_metrics` are sums over the batch: 'loss_sum' and 'num_examples', plus any the
-algorithm reports; the engine adds them up over steps and clients and logs each
-'<name>_sum' as `train_<name>` per example. The aggregate is, by default, the weighted mean
-of the clients' outputs (`weighted_mean`); see `Aggregator` for the others. `info` is a
-`RoundInfo`. The engine owns sampling, execution, evaluation and checkpoints; an algorithm
-never sees how its clients are executed.
-"""
+"""How algorithms register with the config: `AlgorithmEntry`. The contract itself (the
+client/server function tuple, `ClientContext`, `RoundInfo`, `Aggregator`, the aggregation
+rules) belongs to the engine, `fedjax_pan.engine.protocol`, and is re-exported here for
+the algorithms written against it."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, NamedTuple, Optional
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+from fedjax_pan.engine.protocol import (Aggregator, ClientContext, FederatedAlgorithm,
+                                        PyTree, RoundInfo, median, tree_bytes, tree_map,
+                                        trimmed_mean, weighted_mean, weighted_sum)
 
-PyTree = Any
-tree_map = jax.tree_util.tree_map
-
-
-class ClientContext(NamedTuple):
-    """What a client knows about its own round (scalars, or vectors when vmapped)."""
-
-    rng: Any  # this client's key for this round
-    num_steps: Any  # local steps it takes
-    num_examples: Any  # examples it holds
-    client_id: Any  # its index in 0..K-1
-    round: Any  # the round's index, from 0
-    label_counts: Any  # (C,) float32 histogram of its labels
-
-
-class RoundInfo(NamedTuple):
-    """What the server update knows about the round it closes."""
-
-    round: Any  # the round's index, from 0
-    client_ids: Any  # (M,) int32, the sampled clients
-    weights: Any  # (M,) float32 aggregation weights (summing to 1)
-    num_clients: int  # K
-
-
-class Aggregator(NamedTuple):
-    """How the clients' outputs become the server update's `aggregate`.
-
-    Streaming (`stacked=False`): the engine keeps only sum_k w_k * output_k and calls
-    `finalize(output_sum, total_weight)`. Stacked: it keeps every client's output and calls
-    `finalize(outputs, weights)` with a leading client axis (M, ...) and weights (M,)
-    summing to 1 (memory: M copies of an output).
-    """
-
-    finalize: Callable[[PyTree, Any], PyTree]
-    stacked: bool = False
-
-
-def _mean(output_sum: PyTree, total_weight: Any) -> PyTree:
-    return tree_map(lambda x: x / total_weight.astype(x.dtype), output_sum)
-
-
-def _sum(output_sum: PyTree, total_weight: Any) -> PyTree:
-    del total_weight
-    return output_sum
-
-
-# The default: sum_k w_k out_k / sum_k w_k, streamed (no client's output is kept).
-weighted_mean = Aggregator(_mean)
-# For per-leaf or per-group weights: clients send numerators and denominators, already
-# weighted as they like, and the server update divides.
-weighted_sum = Aggregator(_sum)
-
-
-def median() -> Aggregator:
-    """Coordinate-wise median over the round's clients (weights ignored; robust)."""
-    return Aggregator(lambda outs, weights: tree_map(lambda x: jnp.median(x, axis=0), outs),
-                      stacked=True)
-
-
-def trimmed_mean(trim: float) -> Aggregator:
-    """Coordinate-wise mean after dropping the floor(trim * M) largest and smallest values.
-
-    Weights are ignored (Yin et al. 2018); trim in [0, 0.5).
-    """
-    if not 0.0 <= trim < 0.5:
-        raise ValueError(f"trimmed_mean needs trim in [0, 0.5), got {trim}")
-
-    def finalize(outs, weights):
-        def one(x):
-            m = x.shape[0]
-            cut = int(trim * m)
-            kept = jnp.sort(x, axis=0)[cut:m - cut]
-            return jnp.mean(kept, axis=0).astype(x.dtype)
-        return tree_map(one, outs)
-    return Aggregator(finalize, stacked=True)
-
-
-class FederatedAlgorithm(NamedTuple):
-    """A federated algorithm as pure functions (see the module docstring for signatures)."""
-
-    server_init: Callable[[PyTree], PyTree]
-    client_state_init: Callable[[PyTree], PyTree]
-    client_init: Callable[[PyTree, PyTree, Any], PyTree]
-    client_step: Callable[[PyTree, PyTree, PyTree], tuple]
-    client_output: Callable[[PyTree, PyTree], tuple]
-    server_update: Callable[[PyTree, PyTree, RoundInfo], PyTree]
-    eval_variables: Callable[[PyTree], PyTree]
-    aggregator: Aggregator = weighted_mean
-    # upload_bytes(output, local_state) -> bytes this client sends (None: its whole output;
-    # e.g. Psi-Net's trimmed groups are not sent).
-    upload_bytes: Optional[Callable[[PyTree, PyTree], Any]] = None
-    # personal_variables(server_state, client_state) -> the model a client evaluates on its
-    # own test part (None: the global model, `eval_variables`).
-    personal_variables: Optional[Callable[[PyTree, PyTree], PyTree]] = None
-    # personal_adapt(server_state, client_state, batch) -> that model when the client first
-    # adapts it on one batch of its own training data (takes precedence; None: none).
-    personal_adapt: Optional[Callable[[PyTree, PyTree, PyTree], PyTree]] = None
-
-
-def tree_bytes(tree: PyTree) -> int:
-    """Bytes of a pytree's leaves (arrays or shape-dtype structs): what sending it costs."""
-    return int(sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape))
-                   for x in jax.tree_util.tree_leaves(tree)))
+__all__ = ["Aggregator", "ClientContext", "FederatedAlgorithm", "RoundInfo", "median",
+           "tree_bytes", "tree_map", "trimmed_mean", "weighted_mean", "weighted_sum",
+           "AlgorithmEntry", "no_client_state"]
 
 
 class AlgorithmEntry(NamedTuple):
@@ -149,10 +23,10 @@ class AlgorithmEntry(NamedTuple):
     An algorithm whose round cannot be one compiled federated round (FedMA: matching on
     the host, a model that grows) gives a
     `driver(model, cfg, client_tx, client_data, local_work)`
-    returning an object with `engine.Simulation`'s interface (init, round, evaluation,
-    num_sampled, shapes_change; optionally personal_evaluation, or personal_groups for
-    clients of several networks), or None where this config runs as one compiled round
-    after all (KT-pFL with one architecture); the engine runs it as it runs a Simulation.
+    returning an `engine.protocol.Round` (init, round, evaluation, personal_evaluation,
+    personal_groups, num_sampled, shapes_change), or None where this config runs as one
+    compiled round after all (KT-pFL with one architecture); the engine runs it as it runs
+    a Simulation.
     A driver of an algorithm with `public` also takes `public=`.
     """
 

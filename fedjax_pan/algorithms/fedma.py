@@ -255,6 +255,15 @@ class FedMA:
         """The global network (its grown widths) and its variables."""
         return network_for(self.model, server), server
 
+    def personal_evaluation(self, state: Any) -> None:
+        """No personal models: clients are scored on the global one."""
+        del state
+        return None
+
+    def personal_groups(self, state: Any) -> None:
+        del state
+        return None
+
     def _train(self, net: nn.Module, frozen: Tuple[str, ...], work: Any,
                states: List[Variables], ids: np.ndarray, round_index: int, stage: int,
                tx: Optional[optax.GradientTransformation] = None):

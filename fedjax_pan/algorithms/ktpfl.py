@@ -368,6 +368,11 @@ class KtMixed:
         """The first architecture's initial model (KT-pFL has no global model)."""
         return self.models[0], server.initial[0]
 
+    def personal_evaluation(self, state) -> None:
+        """Clients of several networks are scored group by group (`personal_groups`)."""
+        del state
+        return None
+
     def personal_groups(self, state) -> List[Tuple[nn.Module, np.ndarray, PyTree]]:
         """(network, client ids, their models stacked) for each architecture."""
         out = []

@@ -20,7 +20,7 @@ from typing import Union
 
 import numpy as np
 
-from fedjax_pan.data.sources import Dataset, DataError, channel_stats
+from fedjax_pan.data.dataset import Dataset, DataError, channel_stats
 
 __all__ = ["femnist", "gtsrb", "cinic10", "LAYOUTS", "LOADERS", "CINIC10_CLASSES",
            "FEMNIST_CLASSES", "GTSRB_CLASSES"]

@@ -36,12 +36,14 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from fedjax_pan.data import files
+from fedjax_pan.data.dataset import Dataset, DataError, Stats, channel_stats
+
 __all__ = [
     "Dataset", "DataError", "NORMALIZATION", "AUTHORS_NORMALIZATION", "load", "normalize",
     "normalization", "channel_stats", "read_idx", "subset", "synthetic", "DATASETS", "GROUPED_DATASETS",
 ]
 
-Stats = tuple[tuple[float, ...], tuple[float, ...]]
 
 NORMALIZATION: dict[str, Stats] = {
     "fashion_mnist": ((0.2860,), (0.3530,)),
@@ -83,78 +85,6 @@ _IDX_FILES = {
 }
 _IDX_MAGIC = {0x00000801: 1, 0x00000803: 3}  # magic -> number of dims (uint8 only)
 _GZIP_MAGIC = b"\x1f\x8b"
-
-
-class DataError(Exception):
-    """Dataset files are missing, corrupt or truncated (the message names which)."""
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Dataset:
-    """A classification dataset held in memory.
-
-    Images are NHWC (uint8 for real data, float32 for `synthetic`), labels int32
-    of shape (N,) with values in [0, num_classes). `train_groups` (int32, (N,)) is the
-    natural client of each training example (FEMNIST: writer index), None for datasets
-    without one; `stats` the per-channel (mean, std) computed at load time for datasets
-    with no published values (None: use `NORMALIZATION[name]`).
-    """
-
-    name: str
-    train_images: np.ndarray
-    train_labels: np.ndarray
-    test_images: np.ndarray
-    test_labels: np.ndarray
-    num_classes: int
-    train_groups: Optional[np.ndarray] = None
-    stats: Optional[Stats] = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.num_classes, (int, np.integer)) or self.num_classes < 1:
-            raise ValueError(f"{self.name}: num_classes must be a positive int, "
-                             f"got {self.num_classes!r}")
-        for split in ("train", "test"):
-            images = getattr(self, f"{split}_images")
-            labels = getattr(self, f"{split}_labels")
-            if images.ndim != 4:
-                raise ValueError(f"{self.name}: {split}_images must be 4-D NHWC, "
-                                 f"got shape {images.shape}")
-            if images.dtype not in (np.uint8, np.float32):
-                raise ValueError(f"{self.name}: {split}_images must be uint8 or float32, "
-                                 f"got {images.dtype}")
-            if labels.dtype != np.int32 or labels.ndim != 1:
-                raise ValueError(f"{self.name}: {split}_labels must be 1-D int32, got "
-                                 f"{labels.dtype} of shape {labels.shape}")
-            if len(images) != len(labels):
-                raise ValueError(f"{self.name}: {len(images)} {split} images but "
-                                 f"{len(labels)} labels")
-            if labels.size and (labels.min() < 0 or labels.max() >= self.num_classes):
-                raise ValueError(f"{self.name}: {split} labels span [{labels.min()}, "
-                                 f"{labels.max()}], outside [0, {self.num_classes})")
-        if self.train_images.shape[1:] != self.test_images.shape[1:]:
-            raise ValueError(f"{self.name}: train images {self.train_images.shape[1:]} and test "
-                             f"images {self.test_images.shape[1:]} differ in shape")
-        groups = self.train_groups
-        if groups is not None:
-            if groups.dtype != np.int32 or groups.shape != self.train_labels.shape:
-                raise ValueError(f"{self.name}: train_groups must be int32 of shape "
-                                 f"{self.train_labels.shape}, got {groups.dtype} of shape "
-                                 f"{groups.shape}")
-            if groups.size and groups.min() < 0:
-                raise ValueError(f"{self.name}: train_groups must be >= 0, got {groups.min()}")
-
-    @property
-    def input_shape(self) -> tuple[int, int, int]:
-        """(H, W, C) of one image."""
-        return tuple(int(d) for d in self.train_images.shape[1:])  # type: ignore[return-value]
-
-    @property
-    def num_train(self) -> int:
-        return int(len(self.train_labels))
-
-    @property
-    def num_test(self) -> int:
-        return int(len(self.test_labels))
 
 
 # ---------------------------------------------------------------------------
@@ -328,7 +258,6 @@ def load(name: str, *, data_dir: Optional[Union[str, os.PathLike]] = None) -> Da
         raise ValueError(f"unknown dataset {name!r}; valid names: {', '.join(DATASETS)}")
     data_dir = None if data_dir is None else os.fspath(data_dir)
     if name in _FILE_DATASETS:
-        from fedjax_pan.data import files  # it imports this module
 
         var = _ENV_DIRS[name]
         if data_dir is None:
@@ -430,23 +359,6 @@ def normalization(ds: Dataset) -> Optional[Stats]:
     """The (mean, std) that `normalize` should use for `ds`: its load-time `stats` if set,
     else `NORMALIZATION[ds.name]`; None when neither exists (e.g. `synthetic`)."""
     return ds.stats if ds.stats is not None else NORMALIZATION.get(ds.name)
-
-
-def channel_stats(images: np.ndarray) -> Stats:
-    """Per-channel (mean, std) of uint8 NHWC `images` in [0, 1] units (std over all
-    pixels of a channel), exact, from a 256-bin histogram (no float copy of the images)."""
-    if images.dtype != np.uint8 or images.ndim != 4 or not images.size:
-        raise ValueError(f"channel_stats needs non-empty uint8 NHWC images, got "
-                         f"{images.dtype} of shape {images.shape}")
-    values = np.arange(256, dtype=np.float64) / 255
-    means, stds = [], []
-    for c in range(images.shape[-1]):
-        counts = np.bincount(images[..., c].reshape(-1), minlength=256).astype(np.float64)
-        p = counts / counts.sum()
-        mean = float(p @ values)
-        means.append(mean)
-        stds.append(float(np.sqrt(max(p @ (values - mean) ** 2, 0.0))))
-    return tuple(means), tuple(stds)
 
 
 def _smooth_field(rng: np.random.Generator, shape: tuple[int, int, int]) -> np.ndarray:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm, tree_bytes
+from fedjax_pan.engine.protocol import ClientContext, FederatedAlgorithm, tree_bytes
 from fedjax_pan.engine.clients import (ClientData, LocalWork, augment_batch, augment_key,
                                        batch_order, computed_alone, make_batch, step_batch,
                                        step_rows, tail_rows)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pan.algorithms.core import ClientContext, FederatedAlgorithm, RoundInfo
+from fedjax_pan.engine.protocol import ClientContext, FederatedAlgorithm, RoundInfo
 from fedjax_pan.engine.clients import (Augment, ClientData, augment_batch, augment_key,
                                        epoch_order)
 from fedjax_pan.engine.execution import Cohort

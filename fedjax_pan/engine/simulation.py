@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pan.algorithms.core import FederatedAlgorithm, RoundInfo
+from fedjax_pan.engine.protocol import FederatedAlgorithm, RoundInfo
 from fedjax_pan.engine.clients import (ClientData, LocalWork, client_keys, real_examples,
                                        step_batch)
 from fedjax_pan.engine.execution import Cohort
@@ -111,6 +111,11 @@ class Simulation:
     def evaluation(self, server: PyTree) -> tuple:
         """(network to evaluate, or None for the experiment's model; its variables)."""
         return None, self.algorithm.eval_variables(server)
+
+    def personal_groups(self, state: SimState) -> None:
+        """One network for every client: nothing to group (`protocol.Round`)."""
+        del state
+        return None
 
     def personal_evaluation(self, state: SimState) -> Optional[PyTree]:
         """Every client's own model, stacked on a leading client axis (K, ...), or None

@@ -1,0 +1,266 @@
+"""From a config to a runnable round: data loaded and normalised, clients partitioned, the
+model, and the algorithm's round (`make_round`: a `Simulation` of its compiled round, or its
+own driver) on the engine. The one assembly path: the training loop, the benchmark suite
+and the experiment scripts all start here."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from fedjax_pan import algorithms, models, permutation, schema
+from fedjax_pan import data as data_lib
+from fedjax_pan.algorithms.shuffle import with_shuffling
+from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, clients_per_round,
+                               count_compiles, make_evaluator, make_executor, resolve_strategy)
+from fedjax_pan.engine.evaluation import make_client_evaluator
+from fedjax_pan.engine.protocol import Round
+from fedjax_pan.errors import ConfigError
+
+__all__ = ["Experiment", "validate", "build", "build_counted", "make_round", "load_dataset",
+           "public_split"]
+
+
+@dataclasses.dataclass
+class Experiment:
+    config: ml_collections.ConfigDict
+    dataset: data_lib.Dataset
+    client_indices: List[np.ndarray]
+    model: Any
+    variables: Any
+    simulation: Round  # a Simulation, or an algorithm's driver
+    evaluate: Any
+    strategy: str
+    setup_compiles: int = 0
+    # Each client scored on its own test part (partition.test_fraction > 0), else None.
+    client_evaluate: Any = None
+    test_indices: Optional[List[np.ndarray]] = None
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(cfg: ml_collections.ConfigDict) -> None:
+    """Raises ConfigError naming the first invalid or unknown value; touches no file."""
+    schema.validate(cfg)
+
+
+def _data_key(cfg: ml_collections.ConfigDict) -> tuple:
+    """What determines a run's training data (variants sharing it share one copy)."""
+    d = cfg.dataset
+    return (d.name, d.data_dir, d.train_limit, cfg.seed)
+
+
+def load_dataset(name: str, *, data_dir: Optional[str] = None, seed: int = 0,
+                 train_limit: Optional[int] = None,
+                 test_limit: Optional[int] = None) -> data_lib.Dataset:
+    """Dataset `name` ('synthetic': `data.synthetic(seed=seed)`) with seeded random subsets
+    of at most `train_limit` / `test_limit` examples (a limit above the size keeps it
+    whole). Missing or corrupt data raise ConfigError."""
+    if name == "synthetic":
+        ds = data_lib.synthetic(seed=seed)
+    else:
+        try:
+            ds = data_lib.load(name, data_dir=data_dir)
+        except data_lib.DataError as e:
+            raise ConfigError(str(e)) from None
+    return data_lib.subset(ds, train_limit, test_limit, seed)
+
+
+def _load_dataset(cfg: ml_collections.ConfigDict,
+                  cache: Optional[Dict[Any, Any]] = None) -> data_lib.Dataset:
+    d = cfg.dataset
+    key = _data_key(cfg)
+    if cache is not None and key in cache:
+        return cache[key]
+    ds = load_dataset(d.name, data_dir=d.data_dir, seed=cfg.seed, train_limit=d.train_limit)
+    if cache is not None:
+        cache[key] = ds
+    return ds
+
+
+def _normalized(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset,
+                cache: Optional[Dict[Any, Any]]) -> Any:
+    """Normalised float32 train and test images on the device, shared through `cache` by
+    every variant on the same data (a sweep holds one copy, not one per run)."""
+    key = ("normalized", cfg.dataset.normalization, *_data_key(cfg))
+    if cache is not None and key in cache:
+        return cache[key]
+    stats = _stats(cfg, ds)
+    train_x = ds.train_images if stats is None else data_lib.normalize(ds.train_images, stats)
+    test_x = ds.test_images if stats is None else data_lib.normalize(ds.test_images, stats)
+    arrays = (jnp.asarray(train_x, jnp.float32), jnp.asarray(test_x, jnp.float32))
+    if cache is not None:
+        cache[key] = arrays
+    return arrays
+
+
+def _stats(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset) -> Optional[Any]:
+    """The (mean, std) normalising `ds` under `config.dataset.normalization`."""
+    if cfg.dataset.normalization == "authors":
+        _check(ds.name in data_lib.AUTHORS_NORMALIZATION,
+               f"config.dataset.normalization='authors' has constants for "
+               f"{', '.join(data_lib.AUTHORS_NORMALIZATION)}, not {ds.name!r}")
+        return data_lib.AUTHORS_NORMALIZATION[ds.name]
+    return data_lib.normalization(ds)
+
+
+def _augment(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset) -> Optional[Augment]:
+    """`config.dataset.augment` as the engine's `Augment` (padding is black, normalised)."""
+    if cfg.dataset.augment == "none":
+        return None
+    stats = _stats(cfg, ds)
+    fill = (0.0,) if stats is None else tuple(-m / s for m, s in zip(*stats))
+    return Augment(pad=4, flip=True, fill=fill)
+
+
+def _check_shuffleable(algorithm: Any, variables: Any, num_classes: int, name: str) -> None:
+    # Alg. 2 permutes a local model in place: the local state must be one (params and
+    # model_state); per-client extras (control variates, previous models) would also need
+    # permuting, which no algorithm declares yet.
+    ctx = algorithms.ClientContext(jax.random.PRNGKey(0), jnp.int32(1), jnp.int32(1),
+                                   jnp.int32(0), jnp.int32(0), jnp.zeros(num_classes))
+    server = jax.eval_shape(algorithm.server_init, variables)
+    local = jax.eval_shape(lambda s: algorithm.client_init(
+        s, algorithm.client_state_init(s), ctx), server)
+    _check(hasattr(local, "params") and hasattr(local, "model_state"),
+           f"config.shuffle.n_sf > 0 (Alg. 2) needs a local state that is a model; "
+           f"algorithm {name!r} keeps {type(local).__name__}: set shuffle.n_sf=0")
+
+
+def public_split(num_train: int, public_size: int, seed: int
+                 ) -> Tuple[np.ndarray, np.ndarray]:
+    """(public rows, rows kept for the clients) of the training set: `public_size` rows
+    drawn by the seed, held out of every client's data (both sorted)."""
+    if public_size <= 0:
+        return np.zeros(0, np.int64), np.arange(num_train)
+    if public_size >= num_train:
+        raise ConfigError(f"{public_size} public examples (config.dataset.public_size, or "
+                          f"the algorithm's default where it is 0) must be fewer than the "
+                          f"{num_train} training examples: set dataset.public_size")
+    perm = np.random.default_rng([seed, 0x9B]).permutation(num_train)
+    return np.sort(perm[:public_size]), np.sort(perm[public_size:])
+
+
+def build(cfg: ml_collections.ConfigDict,
+          cache: Optional[Dict[Any, Any]] = None) -> Experiment:
+    """Everything a run needs, from a config (validated here); `cache` shares loaded data."""
+    validate(cfg)
+    ds = _load_dataset(cfg, cache)
+    _check(ds.num_test > 0, f"the {ds.name} test set is empty: nothing to evaluate on")
+    p = cfg.partition
+    if p.scheme == "natural":
+        # The data decide the clients (FEMNIST: its sampled writers); say how many there are.
+        # (The schema has refused datasets without writer groups.)
+        groups = len(np.unique(ds.train_groups))
+        _check(p.num_clients == groups,
+               f"config.partition.num_clients={p.num_clients}, but partition.scheme='natural' "
+               f"makes one client per writer (natural group) and this {ds.name} training "
+               f"data has {groups}: set --config.partition.num_clients={groups}")
+    _check(p.num_clients <= ds.num_train,
+           f"config.partition.num_clients={p.num_clients} exceeds the {ds.num_train} "
+           "training examples")
+    public_rows, kept = public_split(
+        ds.num_train, algorithms.registry.public_size(cfg, ds.num_train), cfg.seed)
+    _check(len(kept) >= p.num_clients,
+           f"{len(public_rows)} public examples (config.dataset.public_size) leave {len(kept)} "
+           f"training "
+           f"examples for {p.num_clients} clients")
+    try:
+        groups = None if ds.train_groups is None else np.asarray(ds.train_groups)[kept]
+        parts = data_lib.partition(np.asarray(ds.train_labels)[kept], p.num_clients, p.scheme,
+                                   cfg.seed, alpha=p.alpha,
+                                   classes_per_client=p.classes_per_client,
+                                   min_size=p.min_size, balance=p.balance,
+                                   num_classes=ds.num_classes, groups=groups)
+        parts = [kept[q] for q in parts]  # indices into the whole training set
+    except ValueError as e:
+        raise ConfigError(f"partition: {e}") from None
+    test_parts = None
+    if p.test_fraction > 0:
+        parts, test_parts = data_lib.split_clients(parts, p.test_fraction, cfg.seed)
+    pan = None if not cfg.pan.amplitude else cfg.pan.to_dict()
+    try:
+        model = models.build(cfg.model.name, ds.num_classes, pan=pan, norm=cfg.model.norm,
+                             **cfg.model.options.to_dict())
+        variables = models.init(model, jax.random.PRNGKey(cfg.seed), ds.input_shape)
+    except (TypeError, ValueError) as e:
+        # The first line: JAX appends a paragraph on its filtered traceback frames.
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConfigError(f"config.model.options {cfg.model.options.to_dict()} "
+                          f"({cfg.model.name} on {ds.name}): {why}") from None
+    train_x, test_x = _normalized(cfg, ds, cache)
+    client_data = ClientData.create(train_x, ds.train_labels, parts, ds.num_classes)
+    work = LocalWork(cfg.local.batch_size, cfg.local.epochs, cfg.local.mode,
+                     cfg.local.local_steps, _augment(cfg, ds))
+    evaluate = make_evaluator(model, test_x, ds.test_labels, cfg.eval.batch_size,
+                              ds.num_classes)
+    local = {}
+    if test_parts is not None:
+        local = {"client_evaluate": make_client_evaluator(model, train_x, ds.train_labels,
+                                                          test_parts, cfg.eval.batch_size),
+                 "test_indices": test_parts}
+    strategy = resolve_strategy(cfg.execution.strategy, variables)
+    public = train_x[public_rows] if len(public_rows) else None
+    simulation = make_round(cfg, model, variables, client_data, work, public)
+    return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy, **local)
+
+
+def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
+               client_data: ClientData, work: LocalWork, public: Any = None) -> Round:
+    """The round `cfg.algorithm` runs on `client_data`: the algorithm's own driver where it
+    gives one for this config (FedMA; KT-pFL over several architectures), else a
+    `Simulation` of its compiled round (with Alg. 2's shuffling where `cfg.shuffle` asks),
+    executed as `cfg.execution` says. Config errors raise ConfigError."""
+    entry = algorithms.ALGORITHMS[cfg.algorithm]
+    try:
+        simulation = None if entry.driver is None else entry.driver(
+            model, cfg, algorithms.registry.client_tx(cfg), client_data, work,
+            **({"public": public} if entry.public else {}))
+        algorithm = None if simulation is not None else algorithms.from_config(
+            model, cfg, public=public)
+        if algorithm is not None:
+            # Options checked against the model's layers fail here, not in round 1.
+            jax.eval_shape(lambda v: algorithm.client_state_init(algorithm.server_init(v)),
+                           variables)
+    except ValueError as e:
+        why = str(e).strip().splitlines()[0]
+        raise ConfigError(f"config.{cfg.algorithm}: {why}") from None
+    if simulation is not None:
+        if not isinstance(simulation, Round):
+            raise TypeError(f"{cfg.algorithm}'s driver {type(simulation).__name__} lacks "
+                            f"engine.protocol.Round's members")
+        _check(cfg.shuffle.n_sf == 0, f"config.shuffle.n_sf > 0 (Alg. 2) is not available "
+               f"with algorithm {cfg.algorithm!r} as configured: set shuffle.n_sf=0")
+        return simulation
+    if cfg.shuffle.n_sf > 0:
+        num_classes = int(client_data.label_counts.shape[1])
+        _check_shuffleable(algorithm, variables, num_classes, cfg.algorithm)
+        spec = permutation.spec_for(model, variables)
+        algorithm = with_shuffling(algorithm, spec, cfg.shuffle.p_sf, cfg.shuffle.n_sf,
+                                   cfg.shuffle.window)
+    try:
+        executor = make_executor(resolve_strategy(cfg.execution.strategy, variables),
+                                 algorithm, work, client_data, variables,
+                                 clients_per_round(cfg.participation, client_data.num_clients),
+                                 cfg.execution.block_size)
+    except ValueError as e:
+        raise ConfigError(f"config.execution: {e}") from None
+    return Simulation(algorithm, client_data, work, executor, cfg.participation,
+                      cfg.aggregation.weights, cfg.seed)
+
+
+def build_counted(cfg: ml_collections.ConfigDict,
+                   cache: Optional[Dict[Any, Any]] = None) -> Experiment:
+    """`build`, with the compilations it took (a run's summary counts them)."""
+    with count_compiles() as c:
+        exp = build(cfg, cache)
+    exp.setup_compiles = c.count
+    return exp
