@@ -356,7 +356,7 @@ def test_augmentation_and_normalisation_settings_reach_the_engine():
     from fedjax_pan import data as data_lib
     cfg = config(dataset__augment="crop_flip")
     exp = experiment.build(cfg)
-    assert exp.simulation.work.augment == experiment.Augment(4, True, (0.0,))  # unnormalised
+    assert exp.simulation.work.augment == assembly.Augment(4, True, (0.0,))  # unnormalised
     cifar = config(dataset__augment="crop_flip", dataset__normalization="authors")
     images, labels = np.zeros((2, 32, 32, 3), np.uint8), np.zeros(2, np.int32)
     fake = data_lib.Dataset("cifar10", images, labels, images, labels, num_classes=10)

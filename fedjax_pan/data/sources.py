@@ -36,7 +36,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from fedjax_pan.data import files
+from fedjax_pan.data import files as files_lib
 from fedjax_pan.data.dataset import Dataset, DataError, Stats, channel_stats
 
 __all__ = [
@@ -265,11 +265,11 @@ def load(name: str, *, data_dir: Optional[Union[str, os.PathLike]] = None) -> Da
             if data_dir is None:
                 raise DataError(f"{name}: no data directory: pass data_dir "
                                 f"(--config.dataset.data_dir) or set ${var} to a copy of "
-                                f"{files.LAYOUTS[name]}")
+                                f"{files_lib.LAYOUTS[name]}")
             if not os.path.isdir(data_dir):
                 raise DataError(f"${var}={data_dir} is not a directory; point it at a copy of "
-                                f"{files.LAYOUTS[name]} or unset it")
-        return files.LOADERS[name](data_dir)
+                                f"{files_lib.LAYOUTS[name]} or unset it")
+        return files_lib.LOADERS[name](data_dir)
     searched = None
     if name in _ENV_DIRS:
         var = _ENV_DIRS[name]
