@@ -20,6 +20,7 @@ from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, clien
                                count_compiles, make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.evaluation import make_client_evaluator
 from fedjax_pan.engine.protocol import Round
+from fedjax_pan.engine.services import Services
 from fedjax_pan.errors import ConfigError
 
 __all__ = ["Experiment", "validate", "build", "build_counted", "make_round", "load_dataset",
@@ -221,8 +222,10 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
     executed as `cfg.execution` says. Config errors raise ConfigError."""
     entry = algorithms.ALGORITHMS[cfg.algorithm]
     try:
+        services = Services(client_data, work, cfg.participation, cfg.seed,
+                            cfg.execution.strategy, cfg.execution.block_size)
         simulation = None if entry.driver is None else entry.driver(
-            model, cfg, algorithms.registry.client_tx(cfg), client_data, work,
+            model, cfg, algorithms.registry.client_tx(cfg), services,
             **({"public": public} if entry.public else {}))
         algorithm = None if simulation is not None else algorithms.from_config(
             model, cfg, public=public)

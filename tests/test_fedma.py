@@ -14,6 +14,7 @@ from fedjax_pan import data, defaults, experiment, models
 from fedjax_pan import permutation as perm_lib
 from fedjax_pan.algorithms import client_optimizer, fedavg, fedma
 from fedjax_pan.engine import ClientData, LocalWork, Simulation, make_executor
+from fedjax_pan.engine.services import Services
 from fedjax_pan.errors import ConfigError
 
 SHAPE = (4, 4, 1)
@@ -93,8 +94,9 @@ def test_class_weighted_head_by_hand():
     np.testing.assert_allclose(head["kernel"], np.tile([7 / 4, 4.0, 2.5], (2, 1)))
 
 
-def _driver(model, clients, **kw):
-    return fedma.FedMA(model, _tx(), clients, WORK, **kw)
+def _driver(model, clients, participation=1.0, seed=0, strategy="auto", **kw):
+    return fedma.FedMA(model, _tx(), Services(clients, WORK, participation, seed, strategy),
+                       **kw)
 
 
 def test_one_client_returns_its_model_up_to_the_posterior_shrinkage(clients):
@@ -141,8 +143,9 @@ def test_vgg_round_matches_convs_through_the_flatten():
                            [np.arange(0, 48), np.arange(48, 96)], 10)
     model = models.build("vgg9", 10, channels=[3, 4, 4, 4, 5, 5], fc_hidden=[6, 6])
     variables = models.init(model, jax.random.PRNGKey(0), shape)
-    driver = fedma.FedMA(model, _tx(), cd, LocalWork(batch_size=16, epochs=1.0),
-                         LocalWork(batch_size=16, epochs=1.0), strategy="loop")
+    driver = fedma.FedMA(model, _tx(), Services(cd, LocalWork(batch_size=16, epochs=1.0),
+                                                strategy="loop"),
+                         LocalWork(batch_size=16, epochs=1.0))
     state, stats = driver.round(driver.init(variables))
     before = models.widths(model)
     after = models.widths(fedma.network_for(model, state.server))
@@ -274,7 +277,7 @@ def test_the_config_follows_ibm_for_the_cap_and_the_head_retraining():
     model = models.build("mlp", 10, hidden=[4])
     cfg = defaults.set_keys(_config(), {"fedma.retrain_epochs": 2.0, "optimizer.lr": 0.05,
                                         "optimizer.momentum": 0.9})
-    driver = fedma.from_config(model, cfg, _tx(), cd, WORK)
+    driver = fedma.from_config(model, cfg, _tx(), Services(cd, WORK))
     assert driver.cap == 700 and not driver.own_init
     assert driver.retrain.epochs == 2.0 and driver.head_retrain.epochs == 6.0
     # The head's optimiser: lr / 10 with weight decay 1e-4 (one SGD step from rest).
@@ -285,5 +288,5 @@ def test_the_config_follows_ibm_for_the_cap_and_the_head_retraining():
                                rtol=1e-6)
     same = fedma.from_config(model, defaults.set_keys(cfg, {"fedma.head_retrain": "same",
                                                             "fedma.width_cap": 0}),
-                             _tx(), cd, WORK)
+                             _tx(), Services(cd, WORK))
     assert same.head_tx is None and same.head_retrain is None and same.cap is None

@@ -12,6 +12,7 @@ import pytest
 from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
+from fedjax_pan.engine.services import Services
 from fedjax_pan.algorithms.ktpfl import (KtMixed, kl, ktpfl, parse_architectures,
                                          simplex_columns, soft_predictions,
                                          update_coefficients)
@@ -130,8 +131,8 @@ OPTS = dict(lam=1.0, rho=0.1, coef_lr=0.05, simplex=True)
 
 def _mixed(nets, initial, arch, strategy="vmap"):
     cd, _, _, tx, public = _setup()
-    return KtMixed(nets, initial, np.asarray(arch), tx, cd, PFL_WORK, public, 0.4,
-                   participation=0.5, seed=7, strategy=strategy, options=OPTS)
+    services = Services(cd, PFL_WORK, participation=0.5, seed=7, strategy=strategy)
+    return KtMixed(nets, initial, np.asarray(arch), tx, services, public, 0.4, options=OPTS)
 
 
 def _run(sim, rounds=2):

@@ -22,7 +22,8 @@ class AlgorithmEntry(NamedTuple):
 
     An algorithm whose round cannot be one compiled federated round (FedMA: matching on
     the host, a model that grows) gives a
-    `driver(model, cfg, client_tx, client_data, local_work)`
+    `driver(model, cfg, client_tx, services)` (`engine.services.Services`: the federation,
+    sampling, key streams, cohorts trained through cached executors, statistics)
     returning an `engine.protocol.Round` (init, round, evaluation, personal_evaluation,
     personal_groups, num_sampled, shapes_change), or None where this config runs as one
     compiled round after all (KT-pFL with one architecture); the engine runs it as it runs

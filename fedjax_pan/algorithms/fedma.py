@@ -13,8 +13,8 @@ One FedMA round over the sampled clients (IBM's released code, `--comm_type=fedm
 
 The global model's widths are the matched layers', so the network is rebuilt every round
 (`models.resized`) and evaluated as such. Matching needs scipy and host arrays, so a FedMA
-round is a driver in Python between compiled calls (`FedMA` has `Simulation`'s interface);
-every local training and retraining is the engine's (`make_executor`: the strategies and
+round is a driver in Python between compiled calls (`FedMA`, an `engine.protocol.Round`);
+every local training and retraining is the engine's (`engine.services`: the strategies and
 compiled step loop every algorithm uses), one executor per network shape and frozen set,
 reused while widths stay the same.
 
@@ -53,6 +53,8 @@ from fedjax_pan import permutation as perm_lib
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, tree_bytes,
                                         weighted_sum)
+from fedjax_pan.engine import LocalWork
+from fedjax_pan.engine.services import Services, SimState
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
 PyTree = Any
@@ -203,21 +205,17 @@ def network_for(model: nn.Module, variables: Variables) -> nn.Module:
 
 @dataclasses.dataclass
 class FedMA:
-    """FedMA rounds with `Simulation`'s interface (init, round, evaluation), for the engine.
+    """FedMA's server logic as an `engine.protocol.Round`, on the engine's `services`
+    (sampling, key streams, cohorts trained through cached executors).
 
-    `work` is the local training of step 1, `retrain` each retraining of step 2 (None:
-    no retraining, as one-shot matching).
+    `services.work` is the local training of step 1, `retrain` each retraining of step 2
+    (None: no retraining, as one-shot matching).
     """
 
     model: nn.Module
     client_tx: optax.GradientTransformation
-    data: Any  # engine.ClientData
-    work: Any  # engine.LocalWork
+    services: Services
     retrain: Any = None  # engine.LocalWork or None
-    participation: float = 1.0
-    seed: int = 0
-    strategy: str = "auto"
-    block_size: Optional[int] = None
     sigma: float = 1.0
     sigma0: float = 1.0
     mu0_bias: float = 0.1
@@ -236,20 +234,15 @@ class FedMA:
     shapes_change = True
 
     def __post_init__(self):
-        from fedjax_pan.engine.simulation import clients_per_round, stream_keys
         check_model(self.model)
-        self.num_sampled = clients_per_round(self.participation, self.data.num_clients)
+        self.num_sampled = self.services.num_sampled
         self.hidden = tuple(models.widths(self.model))
-        self._data_key, self._algo_key = stream_keys(self.seed)
-        self._executors: Dict[Any, Any] = {}
 
-    def init(self, variables: Variables):
-        from fedjax_pan.engine.simulation import SimState
+    def init(self, variables: Variables) -> SimState:
         return SimState(jax.tree_util.tree_map(np.asarray, dict(variables)), None, 0)
 
     def sample(self, round_index: int) -> np.ndarray:
-        from fedjax_pan.engine.simulation import sample_clients
-        return sample_clients(self.seed, self.data.num_clients, self.num_sampled, round_index)
+        return self.services.sample(round_index)
 
     def evaluation(self, server: Variables) -> Tuple[nn.Module, Variables]:
         """The global network (its grown widths) and its variables."""
@@ -269,30 +262,22 @@ class FedMA:
                tx: Optional[optax.GradientTransformation] = None):
         """Every client's model trained by `work` (with `tx`, default `client_tx`) with
         `frozen` fixed: (models, metric sums, computed rows)."""
-        from fedjax_pan.engine.clients import client_keys
-        from fedjax_pan.engine.execution import Cohort, make_executor
         tx = self.client_tx if tx is None else tx
-        key = (net, frozen, work, tx)
-        if key not in self._executors:
-            algorithm = local_training(net, tx, frozen, self.warmup, self.warmup_length)
-            self._executors[key] = make_executor(self.strategy, algorithm, work, self.data,
-                                                 states[0], len(ids), self.block_size)
+        algorithm = local_training(net, tx, frozen, self.warmup, self.warmup_length)
         stacked = jax.tree_util.tree_map(lambda *x: jnp.asarray(np.stack(x)), *states)
-        steps = work.num_steps(self.data.sizes[ids])
         # Stage 0 orders batches as every other algorithm's local training does.
-        data_key = self._data_key if stage == 0 else jax.random.fold_in(self._data_key, stage)
-        cohort = Cohort(ids, steps, np.ones(len(ids)), client_keys(data_key, round_index, ids),
-                        client_keys(self._algo_key, round_index, ids), stacked, round_index)
-        result = self._executors[key].run(None, cohort)
+        cohort = self.services.cohort(ids, round_index, stacked, work=work, stage=stage)
+        # One executor per network shape, frozen set, work and optimiser, reused.
+        result = self.services.train((net, frozen, work, tx), algorithm, states[0], cohort,
+                                     work=work)
         trained = jax.tree_util.tree_map(np.asarray, jax.device_get(result.client_states))
         out = [jax.tree_util.tree_map(lambda x: x[m], trained) for m in range(len(ids))]
         return out, jax.device_get(result.metrics), result.computed_examples
 
     def round(self, state) -> Tuple[Any, Dict[str, float]]:
         """Runs FedMA round `state.round`; returns the new state and the round's statistics."""
-        from fedjax_pan.engine.clients import real_examples
-        from fedjax_pan.engine.simulation import SimState
         r = state.round
+        data = self.services.data
         ids = self.sample(r)
         m = len(ids)
         server = state.server
@@ -301,13 +286,13 @@ class FedMA:
         up = 0
         starts = [server] * m
         if r == 0 and self.own_init:  # IBM: every client's own random network
-            shape = tuple(self.data.images.shape[1:])
-            key = jax.random.fold_in(jax.random.PRNGKey(self.seed), OWN_INIT_STREAM)
+            shape = tuple(data.images.shape[1:])
+            key = jax.random.fold_in(jax.random.PRNGKey(self.services.seed), OWN_INIT_STREAM)
             starts = [jax.tree_util.tree_map(np.asarray, models.init(
                 net, jax.random.fold_in(key, int(k)), shape)) for k in ids]
             down = 0  # nothing is sent before the clients train
-        clients, sums, computed = self._train(net, (), self.work, starts, ids, r, 0)
-        real = real_examples(self.work, self.data.sizes[ids])
+        clients, sums, computed = self._train(net, (), self.services.work, starts, ids, r, 0)
+        real = self.services.real_examples(ids)
         stats = {"train_loss": float(sums["loss_sum"]) / max(float(sums["num_examples"]), 1)}
         retrain_loss = retrain_count = 0.0
         matched: Dict[str, Any] = {}
@@ -318,7 +303,7 @@ class FedMA:
             mu0[-1] = self.mu0_bias
             match = matching.bbp_map(rows, sigma=self.sigma, sigma0=self.sigma0, mu0=mu0,
                                      gamma=self.gamma, iterations=self.iterations,
-                                     rng=np.random.default_rng([self.seed, r, i]),
+                                     rng=np.random.default_rng([self.services.seed, r, i]),
                                      cap=self.cap)
             width = len(match.weights)
             matched[name] = from_neuron_matrix(match.weights,
@@ -340,10 +325,10 @@ class FedMA:
                 retrain_loss += float(sums["loss_sum"])
                 retrain_count += float(sums["num_examples"])
                 computed += rows_computed
-                real += real_examples(work, self.data.sizes[ids])
+                real += self.services.real_examples(ids, work)
         heads = [c["params"]["head"] for c in clients]
         up += m * tree_bytes(heads[0])
-        counts = np.asarray(self.data.label_counts)[ids]
+        counts = np.asarray(data.label_counts)[ids]
         params = {**matched, "head": class_weighted_head(heads, counts)}
         if retrain_count:
             stats["train_retrain_loss"] = retrain_loss / retrain_count
@@ -355,10 +340,10 @@ class FedMA:
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
-                data: Any, work: Any) -> FedMA:
-    """The FedMA driver `cfg` describes (config.fedma, local, execution), its clients
-    training with `client_tx`."""
-    from fedjax_pan.engine.clients import LocalWork
+                services: Services) -> FedMA:
+    """The FedMA driver `cfg` describes (config.fedma, local), its clients training with
+    `client_tx` on the engine's `services`."""
+    work = services.work
     o = cfg.fedma
     epochs = work.epochs if o.retrain_epochs is None else o.retrain_epochs
     retrain = (None if epochs == 0 else
@@ -371,10 +356,9 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
         head_retrain = dataclasses.replace(retrain, epochs=3 * epochs,
                                            local_steps=None if retrain.local_steps is None
                                            else 3 * retrain.local_steps)
-    return FedMA(model, client_tx, data, work, retrain, cfg.participation, cfg.seed,
-                 cfg.execution.strategy, cfg.execution.block_size, o.sigma, o.sigma0,
-                 o.mu0_bias, o.gamma, int(o.iterations), opt.warmup, opt.warmup_length,
-                 int(o.width_cap) or None, bool(o.own_init), head_tx, head_retrain)
+    return FedMA(model, client_tx, services, retrain, o.sigma, o.sigma0, o.mu0_bias, o.gamma,
+                 int(o.iterations), opt.warmup, opt.warmup_length, int(o.width_cap) or None,
+                 bool(o.own_init), head_tx, head_retrain)
 
 
 def _no_round(model, cfg, client_tx, server_tx):

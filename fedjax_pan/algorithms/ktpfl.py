@@ -49,6 +49,7 @@ from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
                                         RoundInfo)
+from fedjax_pan.engine.services import Services, SimState
 from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
@@ -265,16 +266,18 @@ class KtMixedServer(NamedTuple):
 
 
 class Group(NamedTuple):
-    """The clients of one architecture: global ids (sorted), network, algorithm, executor."""
+    """The clients of one architecture: global ids (sorted), network, algorithm, and how
+    many of them a round trains at most."""
     ids: np.ndarray
     model: nn.Module
     algorithm: FederatedAlgorithm
-    executor: Any
+    per_round: int
 
 
 @dataclasses.dataclass
 class KtMixed:
-    """KT-pFL rounds over clients of several architectures, with `Simulation`'s interface.
+    """KT-pFL rounds over clients of several architectures: its server logic as an
+    `engine.protocol.Round` on the engine's `services`.
 
     Client n runs `models[arch[n]]` from `initial[arch[n]]`. Each architecture's clients
     form a group with its own algorithm (`ktpfl` on that network) and executor; the group
@@ -288,45 +291,33 @@ class KtMixed:
     initial: Sequence[PyTree]
     arch: np.ndarray  # (N,) client -> index into `models`
     client_tx: optax.GradientTransformation
-    data: Any  # engine.ClientData of all N clients
-    work: Any  # engine.LocalWork
+    services: Services  # the engine's, over all N clients
     public: Any
     distill_share: float
-    participation: float = 1.0
-    seed: int = 0
-    strategy: str = "auto"
-    block_size: Optional[int] = None
     options: Dict[str, Any] = dataclasses.field(default_factory=dict)  # ktpfl's keywords
 
     shapes_change = False
 
     def __post_init__(self):
-        from fedjax_pan.engine.execution import make_executor
-        from fedjax_pan.engine.simulation import clients_per_round, stream_keys
         self.arch = np.asarray(self.arch, np.int64)
-        n = self.data.num_clients
+        n = self.services.num_clients
         if self.arch.shape != (n,) or self.arch.min() < 0 or self.arch.max() >= len(self.models):
             raise ValueError(f"arch must give each of the {n} clients an index into the "
                              f"{len(self.models)} architectures, got {self.arch}")
         self.num_clients = n
-        self.num_sampled = clients_per_round(self.participation, n)
-        self.steps = self.work.num_steps(self.data.sizes)
-        self._data_key, self._algo_key = stream_keys(self.seed)
+        self.num_sampled = self.services.num_sampled
         self.groups: List[Group] = []
-        for a, (model, variables) in enumerate(zip(self.models, self.initial)):
+        for a, model in enumerate(self.models):
             ids = np.flatnonzero(self.arch == a)
             if not len(ids):
                 raise ValueError(f"no client has architecture {a} ({type(model).__name__}): "
                                  f"there are {n} clients for {len(self.models)} architectures")
-            data = dataclasses.replace(self.data, index_table=self.data.index_table[ids],
-                                       sizes=self.data.sizes[ids],
-                                       label_counts=self.data.label_counts[ids])
             algorithm = ktpfl(model, self.client_tx, self.public, len(ids),
                               self.distill_share, **self.options)
             per_round = max(1, -(-self.num_sampled * len(ids) // n))
-            self.groups.append(Group(ids, model, algorithm,
-                                     make_executor(self.strategy, algorithm, self.work, data,
-                                                   variables, per_round, self.block_size)))
+            self.groups.append(Group(ids, model, algorithm, per_round))
+            # Built now, as the engine builds a Simulation's executor with it.
+            self._executor(a)
         # Every group's algorithm steps c alike (one set of options): the first group's
         # server update serves the federation, its state carrying the fields it reads.
         update = self.groups[0].algorithm.server_update
@@ -336,15 +327,20 @@ class KtMixed:
         self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
             lambda a, b: a.at[ids].set(b), all_, new))
 
+    def _executor(self, a: int) -> Any:
+        """Group a's executor: its network on its own clients' data."""
+        g = self.groups[a]
+        return self.services.executor(("group", a), g.algorithm, self.initial[a],
+                                      data=self.services.subset(g.ids), per_round=g.per_round)
+
     def view(self, server: KtMixedServer, a: int) -> KtServer:
         """Group a's server state: its initial model and c's columns of its clients."""
         params, model_state = local_lib.split_variables(server.initial[a])
         return KtServer(params, model_state, server.coef[:, self.groups[a].ids], server.soft,
                         server.sizes, server.round)
 
-    def init(self, variables: PyTree):
+    def init(self, variables: PyTree) -> SimState:
         """Round 0's state (`variables` unused: each architecture starts from `initial`)."""
-        from fedjax_pan.engine.simulation import SimState
         del variables
         n = self.num_clients
         soft, states = None, []
@@ -361,8 +357,7 @@ class KtMixed:
         return SimState(server, tuple(states), 0)
 
     def sample(self, round_index: int) -> np.ndarray:
-        from fedjax_pan.engine.simulation import sample_clients
-        return sample_clients(self.seed, self.num_clients, self.num_sampled, round_index)
+        return self.services.sample(round_index)
 
     def evaluation(self, server: KtMixedServer) -> Tuple[nn.Module, PyTree]:
         """The first architecture's initial model (KT-pFL has no global model)."""
@@ -384,9 +379,6 @@ class KtMixed:
 
     def round(self, state) -> Tuple[Any, Dict[str, float]]:
         """Runs round `state.round`: each group's sampled clients, then one server step."""
-        from fedjax_pan.engine.clients import client_keys, real_examples
-        from fedjax_pan.engine.execution import Cohort
-        from fedjax_pan.engine.simulation import SimState, train_metrics
         r = state.round
         ids = self.sample(r)
         server = state.server
@@ -396,13 +388,11 @@ class KtMixed:
             mine = ids[self.arch[ids] == a]
             if not len(mine):
                 continue
-            local = np.searchsorted(g.ids, mine)
-            cohort = Cohort(local, self.steps[mine], np.ones(len(mine)),
-                            client_keys(self._data_key, r, mine),
-                            client_keys(self._algo_key, r, mine),
-                            jax.tree_util.tree_map(lambda x: jnp.asarray(x)[local], states[a]),
-                            r)
-            result = g.executor.run(self.view(server, a), cohort)
+            local = np.searchsorted(g.ids, mine)  # their rows in the group's data
+            cohort = self.services.cohort(
+                mine, r, jax.tree_util.tree_map(lambda x: jnp.asarray(x)[local], states[a]),
+                rows=local)
+            result = self._executor(a).run(self.view(server, a), cohort)
             states[a] = self._scatter(jax.tree_util.tree_map(jnp.asarray, states[a]),
                                       jnp.asarray(local), result.client_states)
             reported.append(mine)
@@ -414,9 +404,8 @@ class KtMixed:
         server = self._absorb(server, jnp.asarray(np.concatenate(reported), jnp.int32),
                               jnp.concatenate(soft), jnp.concatenate(size))
         upload = sums.pop("upload_bytes")
-        stats = {**train_metrics(sums),
-                 "real_examples": real_examples(self.work, self.data.sizes[ids]),
-                 "computed_examples": computed, "upload_bytes": upload}
+        stats = self.services.statistics(sums, real_examples=self.services.real_examples(ids),
+                                         computed_examples=computed, upload_bytes=upload)
         return SimState(server, tuple(states), r + 1), stats
 
 
@@ -440,7 +429,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
 
 
 def mixed_from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
-                      data: Any, work: Any, *, public: Any) -> Optional[KtMixed]:
+                      services: Services, *, public: Any) -> Optional[KtMixed]:
     """The `KtMixed` driver `config.ktpfl.architectures` describes (None when it is empty:
     every client runs the config's model as one compiled round). Architecture 0 starts
     from the seed's key as the config's model does, architecture a > 0 from the key
@@ -449,6 +438,7 @@ def mixed_from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTrans
     specs = _spec_texts(cfg.ktpfl.architectures)
     if not specs:
         return None
+    data = services.data
     n = data.num_clients
     if n < len(specs):
         raise ValueError(f"architectures lists {len(specs)} models for {n} clients: every "
@@ -459,9 +449,8 @@ def mixed_from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTrans
     key = jax.random.PRNGKey(cfg.seed)
     initial = [models.init(net, key if a == 0 else jax.random.fold_in(key, a),
                            tuple(data.images.shape[1:])) for a, net in enumerate(nets)]
-    return KtMixed(nets, initial, np.arange(n) % len(specs), client_tx, data, work, public,
-                   _distill_share(cfg), cfg.participation, cfg.seed, cfg.execution.strategy,
-                   cfg.execution.block_size, _options(cfg))
+    return KtMixed(nets, initial, np.arange(n) % len(specs), client_tx, services, public,
+                   _distill_share(cfg), _options(cfg))
 
 
 # PUBLIC_SIZE examples held out as the public set unless dataset.public_size says otherwise.
