@@ -31,9 +31,12 @@ from fedjax_pan.training import (COUNTERS, Summary, evaluate_clients, train, tra
                                  train_rounds)
 
 __all__ = ["ConfigError", "TrainingDiverged", "WorkdirError", "Interrupted", "Experiment",
-           "validate", "build", "make_round", "load_dataset", "train", "train_rounds", "run",
-           "summarize", "format_table", "seed_groups", "compare_groups", "paired_stats",
-           "variant_configs", "apply_overrides"]
+           "validate", "build", "build_counted", "make_round", "load_dataset", "public_split",
+           "train", "train_into", "train_rounds", "Summary", "COUNTERS", "evaluate_clients",
+           "run", "summarize", "plot_curves", "format_table", "seed_groups",
+           "compare_groups", "paired_stats", "variant_configs", "apply_overrides",
+           "RESUMABLE_CHANGES", "config_changes", "check_workdir", "read_metrics",
+           "_augment", "_normalized", "_stats"]
 
 
 def _check(cond: bool, message: str) -> None:

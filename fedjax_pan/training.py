@@ -268,8 +268,8 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             ckpt.close()
 
     totals = saved_totals  # the final round is always saved: its record is the run's
-    summary = {**reporting.summarize(rows), "rounds": state.round, "wall_seconds": totals["wall_seconds"],
-               "strategy": exp.strategy, "num_clients": len(exp.client_indices),
+    summary = {**reporting.summarize(rows), "rounds": state.round,
+               "wall_seconds": totals["wall_seconds"], "strategy": exp.strategy, "num_clients": len(exp.client_indices),
                "clients_per_round": exp.simulation.num_sampled,
                "padding_efficiency": (totals["real_examples"] / totals["computed_examples"]
                                       if totals["computed_examples"] else None),

@@ -28,7 +28,7 @@ from benchmarks import fedjax_style  # noqa: E402
 from benchmarks import pytorch_style  # noqa: E402
 from benchmarks import naive as naive_lib  # noqa: E402
 from benchmarks import run as run_lib  # noqa: E402
-from benchmarks import suites  # noqa: E402
+from benchmarks.sections import padding  # noqa: E402
 
 # Figures that must be strictly positive wherever they appear.
 POSITIVE = {"seconds_per_round", "end_to_end_seconds", "eval_seconds", "examples_per_second",
@@ -358,7 +358,7 @@ def test_unbucketed_executor_keeps_cohort_order():
     data = ClientData.create(images, labels, parts)
     bucketed = make_executor("vmap", algorithm, LocalWork(BATCH, EPOCHS), data, variables, 5,
                              block_size=2)
-    unbucketed = suites._unbucketed(bucketed)
+    unbucketed = padding._unbucketed(bucketed)
     steps = np.array([2, 9, 4, 9, 3])
     assert [g.tolist() for g in unbucketed.blocks(steps)] == [[0, 1], [2, 3], [4, -1]]
     assert [g.tolist() for g in bucketed.blocks(steps)] == [[1, 3], [2, 4], [0, -1]]

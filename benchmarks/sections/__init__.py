@@ -1,0 +1,1 @@
+"""The benchmark suite's sections, one module each (`benchmarks.suites` runs them)."""
