@@ -306,3 +306,46 @@ def test_mixed_networks_resume_exactly(tmp_path):
                      progress=False)
     assert metrics(part) == metrics(full) and len(metrics(full)) == 3
     assert all("pfl_accuracy" in m for m in metrics(full))
+
+
+def _authors_step_numpy(weight, raw, rho):
+    """The authors' `get_models_logits` step in NumPy, row by row as released (their
+    weight[self][teacher] is our c[teacher, self]); gradients of the two MSEs by hand."""
+    n = weight.shape[0]
+    weight = weight.copy()
+    size = raw[0].size
+    for me in range(n):
+        target = sum(weight[me, t] * raw[t] for t in range(n))
+        grad = np.array([-2.0 / size * np.sum((raw[me] - target) * raw[t]) for t in range(n)])
+        grad += rho * 2.0 / n * (weight[me] - 1.0 / n)
+        avg, rate = np.sum(np.abs(grad)) / n, 1.0
+        for _ in range(5):
+            if avg > 0.01:
+                avg, rate = avg / 5, rate / 5
+            if avg < 0.01:
+                avg, rate = avg * 5, rate * 5
+        weight[me] = weight[me] - grad * rate
+    out = np.exp(5.0 * weight)
+    return out / out.sum(axis=1, keepdims=True)
+
+
+def test_the_authors_coefficient_step_against_their_loop():
+    from fedjax_pan.algorithms.ktpfl import authors_coefficients
+    rng = np.random.default_rng(0)
+    n, p, c = 4, 6, 3
+    raw = rng.dirichlet(np.ones(c), size=(n, p)).astype(np.float64)
+    coef = rng.uniform(0.1, 0.4, size=(n, n))
+    got = np.asarray(authors_coefficients(jnp.asarray(coef, jnp.float32),
+                                          jnp.asarray(raw, jnp.float32), 0.1))
+    want = _authors_step_numpy(coef.T, raw, 0.1).T  # rows of theirs are our columns
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got.sum(axis=0), 1.0, rtol=1e-5)  # each target a mixture
+    # From a config: a round steps c the authors' way (columns stay distributions).
+    from fedjax_pan import experiment
+    from test_experiment import config
+    exp = experiment.build(config(algorithm="ktpfl", partition__test_fraction=0.25,
+                                  ktpfl__coef_update="authors"))
+    state, _ = exp.simulation.round(exp.simulation.init(exp.variables))
+    c = np.asarray(state.server.coef)
+    np.testing.assert_allclose(c.sum(axis=0), 1.0, rtol=1e-5)
+    assert np.abs(c - 1.0 / c.shape[0]).max() > 1e-4

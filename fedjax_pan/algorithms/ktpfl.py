@@ -20,6 +20,10 @@ by round 7, an entry negative in round 8, c NaN from round 9, the training loss 
 round 11). So by default (`simplex=True`) each column of c is projected onto the
 probability simplex after every step (Euclidean projection) and every target stays a
 mixture of the clients' predictions; `simplex=False` is the paper's unconstrained step.
+`coef_update = "authors"` steps c as the authors' released code does instead
+(`authors_coefficients`: each client's column by the gradient of the MSE between its soft
+predictions and its target plus rho x the MSE to 1/N, at a rate rescaled by the gradient's
+size, then replaced by the softmax of 5 x itself).
 Before any client has trained, every client's soft predictions are the initial model's.
 
 Here the distillation is the last `distill_share` of the round's local steps (so it comes
@@ -50,7 +54,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
                                         RoundInfo)
 from fedjax_pan.engine.services import Services, SimState
-from fedjax_pan.rules import Rule, between, boolean
+from fedjax_pan.rules import Rule, between, boolean, one_of
 
 PyTree = Any
 
@@ -75,12 +79,14 @@ def _architectures_rule(value: Any) -> Optional[str]:
     return None
 
 
+COEF_UPDATES = ("kl", "authors")  # Eq. 7's step on the KL objective, or the released code's
 OPTIONS = {"temperature": 1.0, "lam": 1.0, "rho": 0.1, "coef_lr": 0.1, "distill_epochs": 1.0,
-           "simplex": True, "architectures": ""}
+           "simplex": True, "coef_update": "kl", "architectures": ""}
 # Logits are divided by the temperature in float32: >= 0.01 keeps them far from overflow.
 RULES = {"temperature": between(0.01, 100), "lam": between(0, 1e4), "rho": between(0, 1e4),
          "coef_lr": between(0, 100), "distill_epochs": between(0, 1000, lo_open=True),
-         "simplex": Rule(boolean), "architectures": Rule(_architectures_rule)}
+         "simplex": Rule(boolean), "coef_update": one_of(COEF_UPDATES),
+         "architectures": Rule(_architectures_rule)}
 EPS = 1e-12  # inside logs of probabilities
 PUBLIC_SIZE = 1000  # unlabelled public examples held out by default
 
@@ -152,21 +158,49 @@ def simplex_columns(coef: jax.Array) -> jax.Array:
     return jax.vmap(project, in_axes=1, out_axes=1)(coef)
 
 
+def authors_coefficients(coef: jax.Array, soft: jax.Array, rho: float) -> jax.Array:
+    """The authors' step on c (their `get_models_logits`): for each client n, the gradient
+    g of MSE(s_n, sum_m c[m, n] s_m) + rho MSE(c[:, n], 1/N) in c[:, n] (means over the
+    entries), a rate that starts at 1 and, five times over, is divided by 5 while
+    sum |g| / N (rescaled with it) exceeds 0.01 and multiplied by 5 while it is below, then
+    the column replaced by softmax(5 (c[:, n] - rate g))."""
+    n = coef.shape[0]
+
+    def loss(column, own):
+        target = jnp.einsum("m,mpc->pc", column, soft)
+        return jnp.mean((own - target) ** 2) + rho * jnp.mean((column - 1.0 / n) ** 2)
+
+    def step(column, own):
+        g = jax.grad(loss)(column, own)
+        avg, rate = jnp.sum(jnp.abs(g)) / n, jnp.ones((), g.dtype)
+        for _ in range(5):
+            big = avg > 0.01
+            avg, rate = jnp.where(big, avg / 5, avg), jnp.where(big, rate / 5, rate)
+            small = avg < 0.01
+            avg, rate = jnp.where(small, avg * 5, avg), jnp.where(small, rate * 5, rate)
+        return jax.nn.softmax(5.0 * (column - rate * g))
+    return jax.vmap(step, in_axes=(1, 0), out_axes=1)(coef, soft)
+
+
 def absorb(server: Any, ids: jax.Array, soft: jax.Array, size: jax.Array, lam: float,
-           rho: float, lr: float, simplex: bool = False) -> Any:
+           rho: float, lr: float, simplex: bool = False, update: str = "kl") -> Any:
     """The server's round: clients `ids` report their soft predictions and sizes (stored
     over their earlier ones), then c takes its step (`update_coefficients`), projected
     column by column onto the simplex when `simplex`."""
     soft = server.soft.at[ids].set(soft)
     sizes = server.sizes.at[ids].set(size)
-    coef = update_coefficients(server.coef, soft, sizes, lam, rho, lr)
-    coef = simplex_columns(coef) if simplex else coef
+    if update == "authors":
+        coef = authors_coefficients(server.coef, soft, rho)
+    else:
+        coef = update_coefficients(server.coef, soft, sizes, lam, rho, lr)
+        coef = simplex_columns(coef) if simplex else coef
     return server._replace(coef=coef, soft=soft, sizes=sizes, round=server.round + 1)
 
 
 def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax.Array,
           num_clients: int, distill_share: float, *, temperature: float = 1.0,
           lam: float = 1.0, rho: float = 0.1, coef_lr: float = 0.1, simplex: bool = True,
+          coef_update: str = "kl",
           eval_batch: int = 1000, warmup: str = "none", warmup_length: int = 0
           ) -> FederatedAlgorithm:
     """KT-pFL for `num_clients` clients of one architecture distilling on `public`
@@ -238,7 +272,7 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
 
     def server_update(server, outputs, info):
         return absorb(server, info.client_ids, outputs["soft"], outputs["size"], lam, rho,
-                      coef_lr, simplex)
+                      coef_lr, simplex, coef_update)
 
     def eval_variables(server):
         return {"params": server.params, **server.model_state}
@@ -412,8 +446,8 @@ class KtMixed:
 def _options(cfg: Any) -> Dict[str, Any]:
     o = cfg.ktpfl
     return dict(temperature=o.temperature, lam=o.lam, rho=o.rho, coef_lr=o.coef_lr,
-                simplex=o.simplex, eval_batch=cfg.eval.batch_size, warmup=cfg.optimizer.warmup,
-                warmup_length=cfg.optimizer.warmup_length)
+                simplex=o.simplex, coef_update=o.coef_update, eval_batch=cfg.eval.batch_size,
+                warmup=cfg.optimizer.warmup, warmup_length=cfg.optimizer.warmup_length)
 
 
 def _distill_share(cfg: Any) -> float:
