@@ -22,7 +22,6 @@ from fedjax_pan import reporting
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.assembly import (Experiment, build, build_counted, load_dataset, make_round,
                                  public_split, validate)
-from fedjax_pan.assembly import _augment, _normalized, _stats  # noqa: F401 (tests' access)
 from fedjax_pan.errors import ConfigError, Interrupted, TrainingDiverged, WorkdirError
 from fedjax_pan.reporting import (compare_groups, format_table, paired_stats, plot_curves,
                                   seed_groups, summarize)
@@ -35,8 +34,7 @@ __all__ = ["ConfigError", "TrainingDiverged", "WorkdirError", "Interrupted", "Ex
            "train", "train_into", "train_rounds", "Summary", "COUNTERS", "evaluate_clients",
            "run", "summarize", "plot_curves", "format_table", "seed_groups",
            "compare_groups", "paired_stats", "variant_configs", "apply_overrides",
-           "RESUMABLE_CHANGES", "config_changes", "check_workdir", "read_metrics",
-           "_augment", "_normalized", "_stats"]
+           "RESUMABLE_CHANGES", "config_changes", "check_workdir", "read_metrics"]
 
 
 def _check(cond: bool, message: str) -> None:

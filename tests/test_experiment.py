@@ -361,8 +361,8 @@ def test_augmentation_and_normalisation_settings_reach_the_engine():
     images, labels = np.zeros((2, 32, 32, 3), np.uint8), np.zeros(2, np.int32)
     fake = data_lib.Dataset("cifar10", images, labels, images, labels, num_classes=10)
     (mean, std) = data_lib.AUTHORS_NORMALIZATION["cifar10"]
-    assert experiment._augment(cifar, fake).fill == tuple(-m / s for m, s in zip(mean, std))
-    assert experiment._stats(cifar, fake)[1] == (0.2023, 0.1994, 0.2010)
+    assert assembly._augment(cifar, fake).fill == tuple(-m / s for m, s in zip(mean, std))
+    assert assembly._stats(cifar, fake)[1] == (0.2023, 0.1994, 0.2010)
     plain = experiment.build(config())
     assert plain.simulation.work.augment is None
     states = [e.simulation.round(e.simulation.init(e.variables))[0] for e in (exp, plain)]
@@ -390,7 +390,7 @@ def test_clients_are_scored_on_their_own_test_parts(tmp_path):
                                        progress=False)
     net, variables = exp.simulation.evaluation(state.server)
     got = experiment.evaluate_clients(exp, state, net, variables)
-    x, _ = experiment._normalized(cfg, exp.dataset, None)
+    x, _ = assembly._normalized(cfg, exp.dataset, None)
     y = exp.dataset.train_labels
     acc = []
     for te in test_parts:

@@ -261,7 +261,7 @@ def test_config_runs_mixed_networks_and_scores_each_on_its_own(tmp_path):
     """From a config: the driver runs; the logged personal accuracy is every client's own
     network on its own test part (numpy over the stored models); a bad spec names
     itself; one architecture runs as the one compiled algorithm."""
-    from fedjax_pan import experiment
+    from fedjax_pan import assembly, experiment
     cfg = _mixed_config(rounds=2)
     exp = experiment.build(cfg)
     assert isinstance(exp.simulation, KtMixed)
@@ -270,7 +270,7 @@ def test_config_runs_mixed_networks_and_scores_each_on_its_own(tmp_path):
         state, _ = exp.simulation.round(state)
     got = experiment.evaluate_clients(exp, state, None, None)
     y = exp.dataset.train_labels
-    xs_all = experiment._normalized(exp.config, exp.dataset, None)[0]
+    xs_all = assembly._normalized(exp.config, exp.dataset, None)[0]
     correct = count = 0
     for net, ids, stacked in exp.simulation.personal_groups(state):
         for i, k in enumerate(ids):
