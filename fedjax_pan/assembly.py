@@ -21,7 +21,7 @@ from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, clien
 from fedjax_pan.engine.evaluation import make_client_evaluator
 from fedjax_pan.engine.protocol import Round
 from fedjax_pan.engine.services import Services
-from fedjax_pan.errors import ConfigError
+from fedjax_pan.errors import ConfigError, require
 
 __all__ = ["Experiment", "validate", "build", "build_counted", "make_round", "load_dataset",
            "public_split"]
@@ -41,11 +41,6 @@ class Experiment:
     # Each client scored on its own test part (partition.test_fraction > 0), else None.
     client_evaluate: Any = None
     test_indices: Optional[List[np.ndarray]] = None
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
@@ -106,9 +101,9 @@ def _normalized(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset,
 def _stats(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset) -> Optional[Any]:
     """The (mean, std) normalising `ds` under `config.dataset.normalization`."""
     if cfg.dataset.normalization == "authors":
-        _check(ds.name in data_lib.AUTHORS_NORMALIZATION,
-               f"config.dataset.normalization='authors' has constants for "
-               f"{', '.join(data_lib.AUTHORS_NORMALIZATION)}, not {ds.name!r}")
+        require(ds.name in data_lib.AUTHORS_NORMALIZATION,
+                f"config.dataset.normalization='authors' has constants for "
+                f"{', '.join(data_lib.AUTHORS_NORMALIZATION)}, not {ds.name!r}")
         return data_lib.AUTHORS_NORMALIZATION[ds.name]
     return data_lib.normalization(ds)
 
@@ -131,9 +126,9 @@ def _check_shuffleable(algorithm: Any, variables: Any, num_classes: int, name: s
     server = jax.eval_shape(algorithm.server_init, variables)
     local = jax.eval_shape(lambda s: algorithm.client_init(
         s, algorithm.client_state_init(s), ctx), server)
-    _check(hasattr(local, "params") and hasattr(local, "model_state"),
-           f"config.shuffle.n_sf > 0 (Alg. 2) needs a local state that is a model; "
-           f"algorithm {name!r} keeps {type(local).__name__}: set shuffle.n_sf=0")
+    require(hasattr(local, "params") and hasattr(local, "model_state"),
+            f"config.shuffle.n_sf > 0 (Alg. 2) needs a local state that is a model; "
+            f"algorithm {name!r} keeps {type(local).__name__}: set shuffle.n_sf=0")
 
 
 def public_split(num_train: int, public_size: int, seed: int
@@ -155,25 +150,25 @@ def build(cfg: ml_collections.ConfigDict,
     """Everything a run needs, from a config (validated here); `cache` shares loaded data."""
     validate(cfg)
     ds = _load_dataset(cfg, cache)
-    _check(ds.num_test > 0, f"the {ds.name} test set is empty: nothing to evaluate on")
+    require(ds.num_test > 0, f"the {ds.name} test set is empty: nothing to evaluate on")
     p = cfg.partition
     if p.scheme == "natural":
         # The data decide the clients (FEMNIST: its sampled writers); say how many there are.
         # (The schema has refused datasets without writer groups.)
         groups = len(np.unique(ds.train_groups))
-        _check(p.num_clients == groups,
-               f"config.partition.num_clients={p.num_clients}, but partition.scheme='natural' "
-               f"makes one client per writer (natural group) and this {ds.name} training "
-               f"data has {groups}: set --config.partition.num_clients={groups}")
-    _check(p.num_clients <= ds.num_train,
-           f"config.partition.num_clients={p.num_clients} exceeds the {ds.num_train} "
-           "training examples")
+        require(p.num_clients == groups,
+                f"config.partition.num_clients={p.num_clients}, but partition.scheme='natural' "
+                f"makes one client per writer (natural group) and this {ds.name} training "
+                f"data has {groups}: set --config.partition.num_clients={groups}")
+    require(p.num_clients <= ds.num_train,
+            f"config.partition.num_clients={p.num_clients} exceeds the {ds.num_train} "
+            "training examples")
     public_rows, kept = public_split(
         ds.num_train, algorithms.registry.public_size(cfg, ds.num_train), cfg.seed)
-    _check(len(kept) >= p.num_clients,
-           f"{len(public_rows)} public examples (config.dataset.public_size) leave {len(kept)} "
-           f"training "
-           f"examples for {p.num_clients} clients")
+    require(len(kept) >= p.num_clients,
+            f"{len(public_rows)} public examples (config.dataset.public_size) leave {len(kept)} "
+            f"training "
+            f"examples for {p.num_clients} clients")
     try:
         groups = None if ds.train_groups is None else np.asarray(ds.train_groups)[kept]
         parts = data_lib.partition(np.asarray(ds.train_labels)[kept], p.num_clients, p.scheme,
@@ -240,8 +235,8 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
         if not isinstance(simulation, Round):
             raise TypeError(f"{cfg.algorithm}'s driver {type(simulation).__name__} lacks "
                             f"engine.protocol.Round's members")
-        _check(cfg.shuffle.n_sf == 0, f"config.shuffle.n_sf > 0 (Alg. 2) is not available "
-               f"with algorithm {cfg.algorithm!r} as configured: set shuffle.n_sf=0")
+        require(cfg.shuffle.n_sf == 0, f"config.shuffle.n_sf > 0 (Alg. 2) is not available "
+                f"with algorithm {cfg.algorithm!r} as configured: set shuffle.n_sf=0")
         return simulation
     if cfg.shuffle.n_sf > 0:
         num_classes = int(client_data.label_counts.shape[1])

@@ -29,6 +29,12 @@ class ConfigError(RunError, ValueError):
     status = 2
 
 
+def require(cond: bool, message: str) -> None:
+    """Raises ConfigError(message) unless `cond`: one line for a check on the input."""
+    if not cond:
+        raise ConfigError(message)
+
+
 class TrainingDiverged(RunError):
     """The training loss became NaN, infinite, or exceeded `max_train_loss`."""
 

@@ -22,7 +22,8 @@ from fedjax_pan import reporting
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.assembly import (Experiment, build, build_counted, load_dataset, make_round,
                                  public_split, validate)
-from fedjax_pan.errors import ConfigError, Interrupted, TrainingDiverged, WorkdirError
+from fedjax_pan.errors import (ConfigError, Interrupted, TrainingDiverged, WorkdirError,
+                               require)
 from fedjax_pan.reporting import (compare_groups, format_table, paired_stats, plot_curves,
                                   seed_groups, summarize)
 from fedjax_pan.resume import RESUMABLE_CHANGES, check_workdir, config_changes, read_metrics
@@ -37,11 +38,6 @@ __all__ = ["ConfigError", "TrainingDiverged", "WorkdirError", "Interrupted", "Ex
            "RESUMABLE_CHANGES", "config_changes", "check_workdir", "read_metrics"]
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Dict[str, Any]
                     ) -> ml_collections.ConfigDict:
     """A copy of `cfg` with nested keys set, e.g. {'pan': {'amplitude': 0.0}}."""
@@ -51,7 +47,7 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: Dict[str, Any]
 
     def merge(target, values, prefix):
         for key, value in values.items():
-            _check(key in target, f"variant override {prefix + key!r} names no config key")
+            require(key in target, f"variant override {prefix + key!r} names no config key")
             if isinstance(value, dict) and isinstance(target[key], ml_collections.ConfigDict):
                 merge(target[key], value, f"{prefix}{key}.")
             else:

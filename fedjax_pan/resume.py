@@ -9,7 +9,7 @@ from typing import Any, Dict, List
 import ml_collections
 
 from fedjax_pan import workdir as workdir_lib
-from fedjax_pan.errors import ConfigError
+from fedjax_pan.errors import ConfigError, require
 
 __all__ = ["RESUMABLE_CHANGES", "config_changes", "check_workdir", "read_metrics"]
 
@@ -50,13 +50,13 @@ def check_workdir(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool,
     now = json.loads(cfg.to_json())
     changed = sorted(k for k in config_changes(saved, now)
                      if k.split(".")[0] not in RESUMABLE_CHANGES)
-    _check(not changed, f"cannot resume {workdir!r} with a different config "
-           f"(changed: {', '.join(changed)}); only {', '.join(RESUMABLE_CHANGES)} may change")
+    require(not changed, f"cannot resume {workdir!r} with a different config "
+            f"(changed: {', '.join(changed)}); only {', '.join(RESUMABLE_CHANGES)} may change")
     subdirs = [os.path.join(workdir, name) for name in (cfg.get("variants") or {})]
     for d in [workdir] + [d for d in subdirs if os.path.isdir(d)]:
         done = max(workdir_lib.saved_rounds(d), default=0)
-        _check(cfg.rounds >= done, f"cannot resume {d!r} with rounds={cfg.rounds}: it has run "
-               f"{done} rounds already; pass --config.rounds={done} or more")
+        require(cfg.rounds >= done, f"cannot resume {d!r} with rounds={cfg.rounds}: it has run "
+                f"{done} rounds already; pass --config.rounds={done} or more")
 
 
 def read_metrics(path: str, up_to_round: int) -> List[Dict[str, Any]]:
@@ -76,8 +76,3 @@ def read_metrics(path: str, up_to_round: int) -> List[Dict[str, Any]]:
                     f"line and the ones after it to resume without their rounds, or start "
                     f"again with --overwrite") from None
     return [r for r in rows if r["round"] <= up_to_round]
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)

@@ -23,7 +23,7 @@ from fedjax_pan.data.sources import DATASETS, GROUPED_DATASETS, NORMALIZATIONS
 from fedjax_pan.engine.clients import AUGMENTS, STEP_MODES
 from fedjax_pan.engine.execution import STRATEGIES
 from fedjax_pan.engine.simulation import AGGREGATIONS
-from fedjax_pan.errors import ConfigError
+from fedjax_pan.errors import ConfigError, require
 from fedjax_pan.models.layers import parse_norm
 from fedjax_pan.pan import KINDS
 from fedjax_pan.rules import Rule, between, boolean, directory, one_of
@@ -152,31 +152,27 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
 
 
 def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
-    def need(cond: bool, message: str) -> None:
-        if not cond:
-            raise ConfigError(message)
-
     p = cfg.partition
-    need(not p.scheme.startswith("dirichlet") or p.alpha is not None,
-         f"config.partition.alpha must be set for partition.scheme={p.scheme!r}")
-    need(p.scheme != "pathological" or p.classes_per_client is not None,
-         "config.partition.classes_per_client must be set for partition.scheme='pathological'")
+    require(not p.scheme.startswith("dirichlet") or p.alpha is not None,
+            f"config.partition.alpha must be set for partition.scheme={p.scheme!r}")
+    require(p.scheme != "pathological" or p.classes_per_client is not None,
+            "config.partition.classes_per_client must be set for partition.scheme='pathological'")
     # 'natural' needs the data's own groups; num_clients is checked against them in build.
-    need(p.scheme != "natural" or cfg.dataset.name in GROUPED_DATASETS,
-         f"config.partition.scheme='natural' needs a dataset with natural clients "
-         f"({', '.join(GROUPED_DATASETS)}), got dataset.name={cfg.dataset.name!r}")
-    need(cfg.local.mode != "steps" or cfg.local.local_steps is not None,
-         "config.local.local_steps must be set for local.mode='steps'")
+    require(p.scheme != "natural" or cfg.dataset.name in GROUPED_DATASETS,
+            f"config.partition.scheme='natural' needs a dataset with natural clients "
+            f"({', '.join(GROUPED_DATASETS)}), got dataset.name={cfg.dataset.name!r}")
+    require(cfg.local.mode != "steps" or cfg.local.local_steps is not None,
+            "config.local.local_steps must be set for local.mode='steps'")
     for name, overrides in (cfg.get("variants") or {}).items():
-        need(isinstance(overrides, (dict, ml_collections.ConfigDict)),
-             f"config.variants.{name} must map config keys to values, got {overrides!r}")
+        require(isinstance(overrides, (dict, ml_collections.ConfigDict)),
+                f"config.variants.{name} must map config keys to values, got {overrides!r}")
     entry = ALGORITHMS[cfg.algorithm]
     # Without a test part per client, a personalised algorithm's models are never scored:
     # its run would report an untrained or a FedAvg model under its name.
-    need(not entry.personal or p.test_fraction > 0,
-         f"config.partition.test_fraction must be > 0 for algorithm {cfg.algorithm!r}: it "
-         f"trains a model per client, scored on each client's own test part (PFLlib: "
-         f"--config.partition.test_fraction=0.25), got {p.test_fraction!r}")
+    require(not entry.personal or p.test_fraction > 0,
+            f"config.partition.test_fraction must be > 0 for algorithm {cfg.algorithm!r}: it "
+            f"trains a model per client, scored on each client's own test part (PFLlib: "
+            f"--config.partition.test_fraction=0.25), got {p.test_fraction!r}")
     if entry.check is not None:
         try:
             entry.check(cfg)

@@ -169,12 +169,13 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
         metrics_path = os.path.join(workdir, "metrics.jsonl")
         rows: Optional[List[Dict[str, Any]]] = None
         if resume and ckpt.latest() is not None:
-            tree, counters = ckpt.restore(ckpt.latest(), (state.server, state.client_states),
-                                          saved_shapes=exp.simulation.shapes_change)
+            # The checkpoint's own record of the rows: metrics.jsonl may end in a line a
+            # crash cut.
+            tree, counters, rows = ckpt.restore(
+                ckpt.latest(), (state.server, state.client_states),
+                saved_shapes=exp.simulation.shapes_change)
             state = SimState(*tree, ckpt.latest())
             last_saved = state.round
-            # The checkpoint's own record: metrics.jsonl may end in a line a crash cut.
-            rows = ckpt.metrics(state.round)
         run = _Run(counters, exp.setup_compiles)
         if rows is None:
             rows = read_metrics(metrics_path, state.round)

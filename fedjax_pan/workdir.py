@@ -385,9 +385,10 @@ class Checkpoints:
             shutil.rmtree(p, ignore_errors=True)
 
     def restore(self, step: int, template: Any, saved_shapes: bool = False
-                ) -> Tuple[Any, Dict[str, Any]]:
+                ) -> Tuple[Any, Dict[str, Any], Optional[List[Dict[str, Any]]]]:
         """The tree saved at `step` (structured like `template`, and shaped like it unless
-        `saved_shapes`: then each leaf keeps its saved shape) and its counters.
+        `saved_shapes`: then each leaf keeps its saved shape), its counters and its metrics
+        rows (None: a checkpoint written before checkpoints held them).
 
         Raises WorkdirError when the checkpoint cannot be read or its digest differs.
         """
@@ -411,22 +412,9 @@ class Checkpoints:
         if meta.get("digest") != digest(values):
             raise WorkdirError(f"checkpoint {path} is corrupt (its arrays do not match the "
                                f"digest saved with them); {advice}")
-        return jax.tree_util.tree_unflatten(treedef, values), dict(meta.get("counters", {}))
-
-    def metrics(self, step: int) -> Optional[List[Dict[str, Any]]]:
-        """The metrics rows saved with round `step` (None: a checkpoint written before
-        checkpoints held them)."""
-        path = os.path.join(self.directory, str(step))
-        try:
-            with _quiet_absl():
-                meta = self.manager.restore(step, args=self.ocp.args.Composite(
-                    meta=self.ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
-            detail = " ".join(str(e).split())[:200]
-            raise WorkdirError(f"checkpoint {path} cannot be read ({type(e).__name__}: "
-                               f"{detail}); start again with --overwrite") from None
         rows = meta.get("metrics")
-        return None if rows is None else [dict(r) for r in rows]
+        return (jax.tree_util.tree_unflatten(treedef, values), dict(meta.get("counters", {})),
+                None if rows is None else [dict(r) for r in rows])
 
     def close(self) -> None:
         self.manager.close()

@@ -130,3 +130,21 @@ def pfl_rounds(algo, cd, variables, strategy="vmap", rounds=2):
         states.append(state)
         stats.append(s)
     return sim, states, stats
+
+
+def signal_on_call(monkeypatch, owner, name, sig, call, after=False):
+    """`owner.name` sends `sig` to this process on its `call`-th call (counted from 1),
+    before the call (or, with `after`, as it returns), then goes on as before: a
+    scheduler's SIGTERM or a user's Ctrl-C at that moment."""
+    import os
+    original, calls = getattr(owner, name), []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == call and not after:
+            os.kill(os.getpid(), sig)
+        out = original(*args, **kwargs)
+        if len(calls) == call and after:
+            os.kill(os.getpid(), sig)
+        return out
+    monkeypatch.setattr(owner, name, wrapper)

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, signal_on_call
 from fedjax_pan import assembly, defaults, experiment, training
 from fedjax_pan.engine import count_compiles
 
@@ -432,7 +432,9 @@ def test_a_line_a_crash_cut_is_restored_from_the_checkpoint(tmp_path, monkeypatc
     # A checkpoint written before checkpoints held the rows: refuse, naming the line.
     with open(path, "w") as f:
         f.write(cut)
-    monkeypatch.setattr(experiment.workdir_lib.Checkpoints, "metrics", lambda self, step: None)
+    restore = experiment.workdir_lib.Checkpoints.restore
+    monkeypatch.setattr(experiment.workdir_lib.Checkpoints, "restore",
+                        lambda self, *a, **k: (*restore(self, *a, **k)[:2], None))
     with pytest.raises(experiment.ConfigError, match=r"^line 2 of \S+metrics.jsonl is cut "
                                                      r"short .*--overwrite$"):
         experiment.train(config(rounds=5), part, resume=True, progress=False)
@@ -464,26 +466,10 @@ def test_a_signal_after_a_round_ran_keeps_rows_and_checkpoints_consistent(tmp_pa
 
     from fedjax_pan import workdir
     from fedjax_pan.engine.simulation import Simulation
-    calls = []
     if when == "evaluating":
-        original = training.evaluate_clients
-
-        def evaluate_then_term(*args, **kwargs):
-            calls.append(1)
-            if len(calls) == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return original(*args, **kwargs)
-        monkeypatch.setattr(training, "evaluate_clients", evaluate_then_term)
+        signal_on_call(monkeypatch, training, "evaluate_clients", signal.SIGTERM, 3)
     else:
-        original = Simulation.round
-
-        def round_then_term(self, state):
-            out = original(self, state)
-            calls.append(1)
-            if len(calls) == 4:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return out
-        monkeypatch.setattr(Simulation, "round", round_then_term)
+        signal_on_call(monkeypatch, Simulation, "round", signal.SIGTERM, 4, after=True)
     w = str(tmp_path / "w")
     cfg = config(rounds=4, checkpoint_every=2, algorithm="fedper", partition__test_fraction=0.25)
     with workdir.sigterm_unwinds(), pytest.raises(experiment.Interrupted) as info:

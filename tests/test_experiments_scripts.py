@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, signal_on_call
 
 if ROOT not in sys.path:  # `experiments` is a folder of the checkout, not an installed package
     sys.path.insert(0, ROOT)
@@ -591,21 +591,6 @@ def test_personalized_table_from_its_runs(tmp_path):
     assert os.path.getsize(os.path.join(out, "personalized_curves.png")) > 10_000
 
 
-def _kill_self_on_call(monkeypatch, owner, name, sig, call):
-    """`owner.name` sends `sig` to this process on its `call`-th call (counted from 1),
-    then goes on as before: a scheduler's SIGTERM or a user's Ctrl-C at that moment."""
-    import signal as signal_lib
-    original, calls = getattr(owner, name), []
-
-    def wrapper(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == call:
-            os.kill(os.getpid(), sig)
-        return original(*args, **kwargs)
-    monkeypatch.setattr(owner, name, wrapper)
-    return signal_lib.getsignal(signal_lib.SIGTERM)
-
-
 def test_sigterm_saves_the_round_and_resume_finishes_the_sweep(tmp_path, monkeypatch, capsys):
     import signal as signal_lib
 
@@ -614,7 +599,8 @@ def test_sigterm_saves_the_round_and_resume_finishes_the_sweep(tmp_path, monkeyp
     out = str(tmp_path / "p")
     # The smoke preset trains fedavg then fedper, 2 rounds each, a checkpoint every round:
     # the 4th round is fedper's second.
-    before = _kill_self_on_call(monkeypatch, Simulation, "round", signal_lib.SIGTERM, 4)
+    before = signal_lib.getsignal(signal_lib.SIGTERM)
+    signal_on_call(monkeypatch, Simulation, "round", signal_lib.SIGTERM, 4)
     assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 143
     assert signal_lib.getsignal(signal_lib.SIGTERM) is before  # the handler is given back
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
@@ -640,7 +626,7 @@ def test_ctrl_c_while_a_curve_is_drawn_finishes_it_first(tmp_path, monkeypatch, 
     from experiments import personalized
     from fedjax_pan import reporting
     out = str(tmp_path / "p")
-    _kill_self_on_call(monkeypatch, reporting, "plot_curves", signal_lib.SIGINT, 1)
+    signal_on_call(monkeypatch, reporting, "plot_curves", signal_lib.SIGINT, 1)
     assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 130
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1 and re.fullmatch(r"error: interrupted; \S+ keeps the rounds saved so "

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, needs_fmnist
+from conftest import ROOT, needs_fmnist, signal_on_call
 from fedjax_pan import main
 
 SMOKE = "--config=" + os.path.join(ROOT, "configs", "fmnist_mlp.py") + ":smoke"
@@ -144,12 +144,8 @@ def test_unknown_override_keys_name_the_valid_ones(tmp_path, capsys):
 
 def test_ctrl_c_while_the_results_are_written_keeps_them(tmp_path, capsys, monkeypatch):
     from fedjax_pan import reporting
-    original = reporting.plot_curves
-
-    def plot_then_ctrl_c(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGINT)  # arrives while the curve is being drawn
-        return original(*args, **kwargs)
-    monkeypatch.setattr(reporting, "plot_curves", plot_then_ctrl_c)
+    # Arrives while the curve is being drawn.
+    signal_on_call(monkeypatch, reporting, "plot_curves", signal.SIGINT, 1)
     w = tmp_path / "w"
     assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.rounds=1"]) == 130
     lines = capsys.readouterr().err.strip().splitlines()

@@ -173,11 +173,13 @@ def test_checkpoints_round_trip_with_counters_and_catch_flipped_bytes(tmp_path):
     tree = {"w": jnp.arange(64000, dtype=jnp.float32).reshape(80, 800), "step": jnp.int32(7)}
     ck = wd.Checkpoints(str(tmp_path))
     ck.save(2, tree, {"compiles": 5})
-    ck.save(4, tree, {"compiles": 9})
+    rows = [{"round": 3, "test_accuracy": 0.5}, {"round": 4, "test_accuracy": 0.625}]
+    ck.save(4, tree, {"compiles": 9}, rows)
     assert wd.saved_rounds(str(tmp_path)) == [2, 4] and ck.latest() == 4
-    restored, counters = ck.restore(4, tree)
+    restored, counters, record = ck.restore(4, tree)
     np.testing.assert_array_equal(restored["w"], tree["w"])
-    assert counters == {"compiles": 9}
+    assert counters == {"compiles": 9} and record == rows
+    assert ck.restore(2, tree)[2] is None  # saved without a record of the rows
     ck.close()
     # Flip bytes in the largest data file of round 4: orbax reads it back without complaint,
     # the digest does not match.
@@ -192,7 +194,7 @@ def test_checkpoints_round_trip_with_counters_and_catch_flipped_bytes(tmp_path):
     with pytest.raises(WorkdirError, match=r"checkpoints/4 .*corrupt.*delete .*checkpoints/4 "
                                            r"to resume from round 2"):
         ck.restore(4, tree)
-    restored, _ = ck.restore(2, tree)  # the earlier one is intact
+    restored, _, _ = ck.restore(2, tree)  # the earlier one is intact
     np.testing.assert_array_equal(restored["w"], tree["w"])
 
 

@@ -300,12 +300,12 @@ class KtMixedServer(NamedTuple):
 
 
 class Group(NamedTuple):
-    """The clients of one architecture: global ids (sorted), network, algorithm, and how
-    many of them a round trains at most."""
+    """The clients of one architecture: global ids (sorted), network, algorithm, executor
+    (on the group's own rows of the data)."""
     ids: np.ndarray
     model: nn.Module
     algorithm: FederatedAlgorithm
-    per_round: int
+    executor: Any
 
 
 @dataclasses.dataclass
@@ -349,9 +349,10 @@ class KtMixed:
             algorithm = ktpfl(model, self.client_tx, self.public, len(ids),
                               self.distill_share, **self.options)
             per_round = max(1, -(-self.num_sampled * len(ids) // n))
-            self.groups.append(Group(ids, model, algorithm, per_round))
-            # Built now, as the engine builds a Simulation's executor with it.
-            self._executor(a)
+            executor = self.services.executor(("group", a), algorithm, self.initial[a],
+                                              data=self.services.subset(ids),
+                                              per_round=per_round)
+            self.groups.append(Group(ids, model, algorithm, executor))
         # Every group's algorithm steps c alike (one set of options): the first group's
         # server update serves the federation, its state carrying the fields it reads.
         update = self.groups[0].algorithm.server_update
@@ -360,12 +361,6 @@ class KtMixed:
             RoundInfo(server.round, ids, jnp.full(ids.shape, 1.0 / ids.shape[0]), n)))
         self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
             lambda a, b: a.at[ids].set(b), all_, new))
-
-    def _executor(self, a: int) -> Any:
-        """Group a's executor: its network on its own clients' data."""
-        g = self.groups[a]
-        return self.services.executor(("group", a), g.algorithm, self.initial[a],
-                                      data=self.services.subset(g.ids), per_round=g.per_round)
 
     def view(self, server: KtMixedServer, a: int) -> KtServer:
         """Group a's server state: its initial model and c's columns of its clients."""
@@ -426,7 +421,7 @@ class KtMixed:
             cohort = self.services.cohort(
                 mine, r, jax.tree_util.tree_map(lambda x: jnp.asarray(x)[local], states[a]),
                 rows=local)
-            result = self._executor(a).run(self.view(server, a), cohort)
+            result = g.executor.run(self.view(server, a), cohort)
             states[a] = self._scatter(jax.tree_util.tree_map(jnp.asarray, states[a]),
                                       jnp.asarray(local), result.client_states)
             reported.append(mine)
