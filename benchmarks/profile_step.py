@@ -109,7 +109,7 @@ def profile(batch: int = 64, reps: int = 20,
     stream_rate = 3 * nbytes / t
     out["stream"] = {"seconds": t, "gb_per_s": stream_rate / 1e9}
 
-    state = local.init_local(tx, variables, 1.0)
+    state = local.init_local(tx, variables, 0)
     batch_d = {"x": x, "y": y, "mask": jnp.ones(batch, jnp.float32)}
     step = jax.jit(lambda s, b: local.sgd_step(model, tx, s, b)[0])
     t = _time(step, state, batch_d, reps=reps)

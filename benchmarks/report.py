@@ -333,11 +333,13 @@ def _algorithms_block(results: Results) -> tuple:
                      f"{fa['seconds_per_round']:.3f} s/round, {fa['upload_mib']:.1f} / "
                      f"{fa['download_mib']:.1f} MiB up / down per round")
         for name, a in d["algorithms"].items():
+            down = ("" if a.get("download_mib") is None
+                    else f" / {a['download_mib']:.1f} MiB down")
+            grown = (f", hidden widths {tuple(a['widths'])}" if a.get("widths") else "")
             lines.append(f"  {name}: {a['seconds_per_round']:.2f} s/round "
                          f"({a['vs_fedavg']:.1f}x FedAvg; {a['compiles_timed']} compilations, "
-                         f"{a['compile_s_timed']:.1f} s, in the timed round as its layers "
-                         f"grow), {a['upload_mib']:.1f} / {a['download_mib']:.1f} MiB up / "
-                         f"down, hidden widths {tuple(a['widths'])}")
+                         f"{a['compile_s_timed']:.1f} s, in the timed round), "
+                         f"{a['upload_mib']:.1f} MiB up{down}{grown}")
     return "Algorithms on the MLP bench", lines, header, rows
 
 

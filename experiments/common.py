@@ -456,11 +456,13 @@ def train_centralised(model: Any, variables: PyTree, x: np.ndarray, y: np.ndarra
     if optimizer not in ("sgd", "adam"):
         raise ValueError(f"unknown optimizer {optimizer!r}; expected 'sgd' or 'adam'")
     # The library's local step; full batches (mask all ones) make its loss the plain mean.
-    tx = (client_optimizer(lr, momentum, weight_decay) if optimizer == "sgd" else
-          optax.chain(optax.add_decayed_weights(weight_decay), optax.adam(lr)))
-    state = local.init_local(tx, variables, 1.0)
     warmup = "steps" if warmup_steps else "none"
-    step = jax.jit(lambda s, b: local.sgd_step(model, tx, s, b, warmup, warmup_steps))
+    tx = (client_optimizer(lr, momentum, weight_decay, warmup=warmup,
+                           warmup_length=warmup_steps) if optimizer == "sgd" else
+          optax.chain(optax.add_decayed_weights(weight_decay), optax.adam(lr),
+                      local.scale_by_warmup(warmup, warmup_steps)))
+    state = local.init_local(tx, variables, 0)
+    step = jax.jit(lambda s, b: local.sgd_step(model, tx, s, b))
 
     rng = np.random.default_rng(seed)
     n = len(y)

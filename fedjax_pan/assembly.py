@@ -212,7 +212,8 @@ def build(cfg: ml_collections.ConfigDict,
 def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                client_data: ClientData, work: LocalWork, public: Any = None) -> Round:
     """The round `cfg.algorithm` runs on `client_data`: the algorithm's own driver where it
-    gives one for this config (FedMA; KT-pFL over several architectures), else a
+    gives one for this config (FedMA; KT-pFL in the paper's order or over several
+    architectures), else a
     `Simulation` of its compiled round (with Alg. 2's shuffling where `cfg.shuffle` asks),
     executed as `cfg.execution` says. Config errors raise ConfigError."""
     entry = algorithms.ALGORITHMS[cfg.algorithm]

@@ -32,7 +32,7 @@ b's activations do not depend on b's own permutations.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
@@ -137,14 +137,19 @@ def _producers(spec: PermutationSpec, name: str) -> Sequence[str]:
             axes and _name(axes[-1]) == name and not isinstance(axes[-1], Flat)]
 
 
-def _activations(model: Any, variables: PyTree, inputs: np.ndarray,
-                 modules: set) -> Dict[str, np.ndarray]:
-    _, state = model.apply(
-        variables, inputs, capture_intermediates=lambda mdl, method: (
-            method == "__call__" and mdl.name in modules and len(mdl.scope.path) == 1),
-        mutable=["intermediates"])
-    return {k: np.asarray(v["__call__"][0], np.float64)
-            for k, v in state["intermediates"].items() if k in modules}
+def _activations(model: Any, modules: set) -> Callable[[PyTree, Any], Dict[str, np.ndarray]]:
+    """(variables, inputs) -> the outputs of the top-level `modules`, float64; one compiled
+    program for every variables of the model's shapes."""
+    @jax.jit
+    def run(variables, inputs):
+        _, state = model.apply(
+            variables, inputs, capture_intermediates=lambda mdl, method: (
+                method == "__call__" and mdl.name in modules and len(mdl.scope.path) == 1),
+            mutable=["intermediates"])
+        return {k: v["__call__"][0] for k, v in state["intermediates"].items()
+                if k in modules}
+    return lambda variables, inputs: {k: np.asarray(v, np.float64)
+                                      for k, v in run(variables, inputs).items()}
 
 
 def activation_matching(model: Any, spec: PermutationSpec, reference: PyTree, other: PyTree,
@@ -154,7 +159,8 @@ def activation_matching(model: Any, spec: PermutationSpec, reference: PyTree, ot
     _check_spec(spec)
     producers = {name: _producers(spec, name) for name in spec.names}
     modules = {m for ms in producers.values() for m in ms}
-    acts = [_activations(model, v, inputs, modules) for v in (reference, other)]
+    activations = _activations(model, modules)
+    acts = [activations(v, inputs) for v in (reference, other)]
     perms = {}
     for name, mods in producers.items():
         if not mods:

@@ -5,13 +5,15 @@ import sys
 import tempfile
 
 # Compile time, not run time, dominates this suite on CPU. Tests therefore compile with
-# LLVM's optimisation off (every comparison is between computations compiled alike), and
-# every process of a run, xdist workers and the subprocesses tests start, shares one
-# persistent compilation cache, so a program compiled by one test is loaded by the next.
-# Both are set before JAX starts and yield to values already in the environment.
-if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                               " --xla_backend_optimization_level=0").strip()
+# LLVM's optimisation off and XLA's older elemental emitters in place of its fusion
+# emitters (2-3x faster to compile a small network; every comparison is between
+# computations compiled alike), and every process of a run, xdist workers and the
+# subprocesses tests start, shares one persistent compilation cache, so a program compiled
+# by one test is loaded by the next. All are set before JAX starts and yield to values
+# already in the environment.
+for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"fedjax_pan_test_jax_cache_{os.getuid()}"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
@@ -48,8 +50,8 @@ def tiny_fedavg(norm="none", pan=None, image_shape=(6, 6, 1), warmup="steps", bn
     model = models.build("mlp", 10, hidden=list(hidden), norm=norm, pan=pan)
     variables = models.init(model, jax.random.PRNGKey(0), image_shape)
     kwargs = {} if server_tx is None else {"server_tx": server_tx}
-    algo = fedavg(model, client_optimizer(0.05, 0.9, 1e-5, 100.0), warmup=warmup,
-                  warmup_length=3, bn=bn, **kwargs)
+    algo = fedavg(model, client_optimizer(0.05, 0.9, 1e-5, 100.0, warmup, 3), bn=bn,
+                  **kwargs)
     return model, variables, algo
 
 
@@ -68,6 +70,30 @@ def random_variables(model, input_shape, seed, bias_scale=0.1):
     return {"params": jax.tree_util.tree_map_with_path(fill, shapes["params"])}
 
 
+def random_init(model, input_shape, seed=0):
+    """Every collection `models.init` gives (params, batch_stats), drawn in numpy: kernels
+    He-scaled, norm scales near 1, running variances in [0.5, 1.5], the rest N(0, 0.1).
+    Shapes from `eval_shape`: no program compiles (tests of a forward pass or of a
+    permutation need distinct, well-scaled values, not the initialisers' own)."""
+    shapes = jax.eval_shape(lambda: models.init(model, jax.random.PRNGKey(0), input_shape))
+    rng = np.random.default_rng(seed)
+
+    def fill(path, s):
+        name = path[-1].key
+        if name == "kernel":
+            fan_in = int(np.prod(s.shape[:-1]))
+            x = rng.normal(size=s.shape) * np.sqrt(2.0 / fan_in)
+        elif name == "var":
+            x = rng.uniform(0.5, 1.5, size=s.shape)
+        elif name == "scale":
+            x = 1.0 + 0.1 * rng.normal(size=s.shape)
+        else:
+            x = 0.1 * rng.normal(size=s.shape)
+        return jnp.asarray(x.astype(s.dtype))
+
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
 def max_rel_err(a, b, floor=1e-2):
     """Max over leaves of max|a - b| / max(max|b|, floor).
 
@@ -83,7 +109,7 @@ def max_rel_err(a, b, floor=1e-2):
 
 
 __all__ = ["ROOT", "needs_fmnist", "tiny_clients", "tiny_fedavg", "max_rel_err",
-           "random_variables", "LocalWork", "sys"]
+           "random_variables", "random_init", "LocalWork", "sys"]
 
 
 # Personalised-FL tests: six unequal clients, a small MLP, 1.5 epochs of B = 8.
@@ -92,12 +118,13 @@ PFL_WORK = LocalWork(batch_size=8, epochs=1.5)
 PFL_LR = 0.05
 
 
-def pfl_setup(norm="none"):
-    """(client data, model, variables, momentum-SGD client optimiser) for the pFL tests."""
+def pfl_setup(norm="none", warmup="none"):
+    """(client data, model, variables, momentum-SGD client optimiser, its `warmup` over 3
+    steps or rounds) for the pFL tests."""
     _, cd = tiny_clients(PFL_SIZES)
     model = models.build("mlp", 10, hidden=[24, 16], norm=norm)
     variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
-    return cd, model, variables, client_optimizer(PFL_LR, 0.9, 0.0, None)
+    return cd, model, variables, client_optimizer(PFL_LR, 0.9, 0.0, None, warmup, 3)
 
 
 def reference_rounds(sim, algo, cd, variables, batch_size, rounds=2):

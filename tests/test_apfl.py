@@ -19,15 +19,16 @@ def _run(algo, cd, variables, strategy="vmap", rounds=2):
 
 @pytest.mark.parametrize("warmup", ["none", "rounds"])
 def test_fixed_alpha_zero_is_fedavg(warmup):
-    cd, model, variables, tx = pfl_setup()
-    sim, a = _run(apfl(model, tx, LR, alpha=0.0, adaptive=False, warmup=warmup,
-                       warmup_length=3), cd, variables)
-    _, f = _run(fedavg(model, tx, warmup=warmup, warmup_length=3), cd, variables)
-    assert max_rel_err(a.server.params, f.server.params) == 0
+    cd, model, variables, tx = pfl_setup(warmup=warmup)
+    sim, a = _run(apfl(model, tx, LR, alpha=0.0, adaptive=False), cd, variables)
+    _, f = _run(fedavg(model, tx), cd, variables)
+    # Two programs: equal to rounding under the suite's compile flags (conftest), and bit
+    # for bit under XLA's defaults.
+    assert max_rel_err(a.server.params, f.server.params) < 1e-6
     mixed = sim.personal_evaluation(a)
     for k in range(len(SIZES)):  # every client evaluates FedAvg's global model
         own = jax.tree_util.tree_map(lambda x: x[k], mixed)
-        assert max_rel_err(own["params"], f.server.params) == 0
+        assert max_rel_err(own["params"], f.server.params) < 1e-6
 
 
 def test_alpha_update_matches_a_hand_computed_gradient():

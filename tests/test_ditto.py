@@ -24,10 +24,13 @@ def _flat(tree):
 
 @pytest.mark.parametrize("lam,warmup", [(0.0, "none"), (1.0, "none"), (1.0, "rounds")])
 def test_global_model_is_fedavgs(lam, warmup):
-    cd, model, variables, tx = _setup()
-    _, d = _run(ditto(model, tx, LR, lam=lam, warmup=warmup, warmup_length=3), cd, variables)
-    _, f = _run(fedavg(model, tx, warmup=warmup, warmup_length=3), cd, variables)
-    assert max_rel_err(d[-1].server.params, f[-1].server.params) == 0
+    cd, model, variables, tx = _setup(warmup=warmup)
+    _, d = _run(ditto(model, tx, LR, lam=lam), cd, variables)
+    _, f = _run(fedavg(model, tx), cd, variables)
+    # Two programs: equal to rounding under the suite's compile flags (conftest), and bit
+    # for bit under XLA's defaults; Ditto's personal step leaking into the global model
+    # would show at 1e-2.
+    assert max_rel_err(d[-1].server.params, f[-1].server.params) < 1e-6
 
 
 def test_lambda_zero_is_local_training():

@@ -22,6 +22,9 @@ def config(preset="smoke", **changes):
     spec.loader.exec_module(module)
     cfg = module.get_config(preset)
     cfg.dataset.name = "synthetic"  # fast and always available
+    # The paper's MLP with 64-wide hidden layers: what these tests check (resume, files,
+    # signals) does not depend on the width, and checkpoints of per-client states shrink.
+    cfg.model.options = {"hidden": [64, 64, 64]}
     return defaults.set_keys(cfg, {k.replace("__", "."): v for k, v in changes.items()})
 
 

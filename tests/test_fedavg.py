@@ -18,7 +18,8 @@ def test_one_client_full_participation_equals_centralised_sgd():
     model = models.build("mlp", 10, hidden=[16], pan={"kind": "mul", "amplitude": 0.2})
     variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
     tx = client_optimizer(0.1, momentum=0.9, weight_decay=1e-4, grad_clip=1.0)
-    algo = fedavg(model, tx, warmup="steps", warmup_length=4)
+    algo = fedavg(model, client_optimizer(0.1, momentum=0.9, weight_decay=1e-4, grad_clip=1.0,
+                                          warmup="steps", warmup_length=4))
     work = LocalWork(batch_size=10, epochs=2)  # 5 batches/epoch, last one of 5 examples
     ex = make_executor("vmap", algo, work, cd, variables, 1)
     sim = Simulation(algo, cd, work, ex, participation=1.0, seed=0)

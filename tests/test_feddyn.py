@@ -20,8 +20,8 @@ tree_map = jax.tree_util.tree_map
 
 def _tiny_feddyn(alpha, log_term=False):
     model, variables, base = tiny_fedavg()  # lr 0.05, momentum 0.9, 'steps' warm-up 3
-    algo = feddyn(model, client_optimizer(0.05, 0.9, 1e-5, 100.0), alpha=alpha,
-                  log_term=log_term, warmup="steps", warmup_length=3)
+    algo = feddyn(model, client_optimizer(0.05, 0.9, 1e-5, 100.0, "steps", 3), alpha=alpha,
+                  log_term=log_term)
     return variables, base, algo
 
 

@@ -13,6 +13,7 @@ from conftest import random_variables
 from fedjax_pan import data, defaults, experiment, models
 from fedjax_pan import permutation as perm_lib
 from fedjax_pan.algorithms import client_optimizer, fedavg, fedma
+from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.engine import ClientData, LocalWork, Simulation, make_executor
 from fedjax_pan.engine.services import Services
 from fedjax_pan.errors import ConfigError
@@ -280,12 +281,16 @@ def test_the_config_follows_ibm_for_the_cap_and_the_head_retraining():
     driver = fedma.from_config(model, cfg, _tx(), Services(cd, WORK))
     assert driver.cap == 700 and not driver.own_init
     assert driver.retrain.epochs == 2.0 and driver.head_retrain.epochs == 6.0
-    # The head's optimiser: lr / 10 with weight decay 1e-4 (one SGD step from rest).
+    # The head's optimiser: lr / 10 with weight decay 1e-4 (one SGD step from rest), and
+    # the config's warm-up (lr x min((r + 1) / 10, 1)): x 0.1 in round 0, x 1 from round 9.
     params = {"w": jnp.asarray([1.0, -2.0])}
     grads = {"w": jnp.asarray([0.5, 0.25])}
-    updates, _ = driver.head_tx.update(grads, driver.head_tx.init(params), params)
-    np.testing.assert_allclose(updates["w"], -0.005 * (grads["w"] + 1e-4 * params["w"]),
-                               rtol=1e-6)
+    for r, warm in ((0, 0.1), (9, 1.0)):
+        state = local_lib.start_round(driver.head_tx.init(params), r)
+        updates, _ = driver.head_tx.update(grads, state, params)
+        np.testing.assert_allclose(updates["w"],
+                                   -0.005 * warm * (grads["w"] + 1e-4 * params["w"]),
+                                   rtol=1e-6)
     same = fedma.from_config(model, defaults.set_keys(cfg, {"fedma.head_retrain": "same",
                                                             "fedma.width_cap": 0}),
                              _tx(), Services(cd, WORK))

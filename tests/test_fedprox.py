@@ -30,8 +30,8 @@ def test_proximal_term_by_hand():
 
 def _algos(mu, distance="l2"):
     model, variables, base = tiny_fedavg()
-    prox = fedprox(model, client_optimizer(0.05, 0.9, 1e-5, 100.0), mu=mu, distance=distance,
-                   warmup="steps", warmup_length=3)
+    prox = fedprox(model, client_optimizer(0.05, 0.9, 1e-5, 100.0, "steps", 3), mu=mu,
+                   distance=distance)
     return variables, base, prox
 
 

@@ -2,18 +2,22 @@
 regulariser alone contracting c to 1/N, distillation lowering the KL to a client's
 target, the server's store of soft predictions, the held-out public set; clients of
 several architectures: one network split into two groups equal to one group, mixed
-networks training their own models, evaluated on their own networks, resuming exactly."""
+networks training their own models, evaluated on their own networks, resuming exactly;
+the paper's order (phase 1, server step, phase 2): distilling towards this round's own
+predictions leaves a model where phase 1 put it, the round equal to its phases composed
+by hand on the reference round, the server storing the trained (not the distilled)
+models' predictions, a config run resuming exactly."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup
+from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.engine.services import Services
-from fedjax_pan.algorithms.ktpfl import (KtMixed, kl, ktpfl, parse_architectures,
+from fedjax_pan.algorithms.ktpfl import (KtMixed, absorb, kl, ktpfl, parse_architectures,
                                          simplex_columns, soft_predictions,
                                          update_coefficients)
 
@@ -283,29 +287,41 @@ def test_config_runs_mixed_networks_and_scores_each_on_its_own(tmp_path):
     assert count == sum(len(t) for t in exp.test_indices)
     with pytest.raises(experiment.ConfigError, match="ktpfl.architectures.*unknown model"):
         experiment.build(_mixed_config(ktpfl__architectures="mlp; resnet99"))
-    # One spec equal to the config's model: the compiled algorithm's numbers, driver or not.
-    one = _mixed_config(rounds=1, ktpfl__architectures="mlp(hidden=(16, 16))",
-                        model__options__hidden=[16, 16])
-    plain = _mixed_config(rounds=1, ktpfl__architectures="", model__options__hidden=[16, 16])
-    a, b = experiment.build(one), experiment.build(plain)
-    assert isinstance(a.simulation, KtMixed) and not isinstance(b.simulation, KtMixed)
-    sa, _ = a.simulation.round(a.simulation.init(a.variables))
-    sb, _ = b.simulation.round(b.simulation.init(b.variables))
-    np.testing.assert_array_equal(sa.server.coef, sb.server.coef)
-    assert max_rel_err(sa.client_states[0], sb.client_states) == 0
+    # One spec equal to the config's model: the plain config's numbers, in the lagged order
+    # the compiled algorithm's (driver or not), in the paper's the driver's with one group.
+    for order in ("lagged", "paper"):
+        one = _mixed_config(rounds=1, ktpfl__architectures="mlp(hidden=(16, 16))",
+                            model__options__hidden=[16, 16], ktpfl__order=order)
+        plain = _mixed_config(rounds=1, ktpfl__architectures="",
+                              model__options__hidden=[16, 16], ktpfl__order=order)
+        a, b = experiment.build(one), experiment.build(plain)
+        assert isinstance(a.simulation, KtMixed)
+        assert isinstance(b.simulation, KtMixed) == (order == "paper")
+        sa, _ = a.simulation.round(a.simulation.init(a.variables))
+        sb, _ = b.simulation.round(b.simulation.init(b.variables))
+        np.testing.assert_array_equal(sa.server.coef, sb.server.coef)
+        mine = sb.client_states if order == "lagged" else sb.client_states[0]
+        assert max_rel_err(sa.client_states[0], mine) == 0
+
+
+def _resumes_exactly(make_config, tmp_path):
+    """3 rounds in one go against 2 + a resume to 3 (checkpoints every 2) of the config
+    `make_config(**changes)` gives: equal metrics, the clients' own included; those metrics."""
+    from fedjax_pan import experiment
+    from test_experiment import metrics
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    experiment.train(make_config(rounds=3, checkpoint_every=2), full, progress=False)
+    experiment.train(make_config(rounds=2, checkpoint_every=2), part, progress=False)
+    experiment.train(make_config(rounds=3, checkpoint_every=2), part, resume=True,
+                     progress=False)
+    assert metrics(part) == metrics(full) and len(metrics(full)) == 3
+    assert all("pfl_accuracy" in m for m in metrics(full))
+    return metrics(full)
 
 
 @pytest.mark.slow
 def test_mixed_networks_resume_exactly(tmp_path):
-    from fedjax_pan import experiment
-    from test_experiment import metrics
-    full, part = str(tmp_path / "full"), str(tmp_path / "part")
-    experiment.train(_mixed_config(rounds=3, checkpoint_every=2), full, progress=False)
-    experiment.train(_mixed_config(rounds=2, checkpoint_every=2), part, progress=False)
-    experiment.train(_mixed_config(rounds=3, checkpoint_every=2), part, resume=True,
-                     progress=False)
-    assert metrics(part) == metrics(full) and len(metrics(full)) == 3
-    assert all("pfl_accuracy" in m for m in metrics(full))
+    _resumes_exactly(_mixed_config, tmp_path)
 
 
 def _authors_step_numpy(weight, raw, rho):
@@ -349,3 +365,159 @@ def test_the_authors_coefficient_step_against_their_loop():
     c = np.asarray(state.server.coef)
     np.testing.assert_allclose(c.sum(axis=0), 1.0, rtol=1e-5)
     assert np.abs(c - 1.0 / c.shape[0]).max() > 1e-4
+
+
+# ---- the paper's order: train, server step, distil -------------------------------------
+
+def _paper(nets, initial, arch, order="paper", strategy="vmap", **options):
+    cd, _, _, tx, public = _setup()
+    services = Services(cd, PFL_WORK, participation=0.5, seed=7, strategy=strategy)
+    return KtMixed(nets, initial, np.asarray(arch), tx, services, public, 0.4,
+                   options={**OPTS, **options}, order=order)
+
+
+def _rows(state, ids, group=0):
+    """The models of rows `ids` (an index or a list) of group `group` in a driver's state
+    (with one group, rows are client ids)."""
+    return jax.tree_util.tree_map(lambda x: x[np.asarray(ids)], state.client_states[group])
+
+
+def test_distilling_towards_its_own_predictions_leaves_a_model_in_the_paper_order():
+    """c = I and a still c (coef_lr = lam = rho = 0): each client's target is its own
+    predictions. In the paper's order these are this round's, of the phase-1 model, where
+    the distillation gradient is zero (fresh momentum, no weight decay): the round ends
+    where phase 1 did. In the lagged order they are the initial model's, which pull the
+    trained model back."""
+    cd, model, variables, _, _ = _setup()
+    still = dict(coef_lr=0.0, lam=0.0, rho=0.0)
+    paper = _paper([model], [variables], np.zeros(cd.num_clients), **still)
+    lagged = _paper([model], [variables], np.zeros(cd.num_clients), "lagged", **still)
+    start = paper.init(None)
+    start = start._replace(server=start.server._replace(coef=jnp.eye(cd.num_clients)))
+    ids = paper.sample(0)
+    mid, _ = paper.train_phase(start)
+    assert max_rel_err(_rows(mid, ids), _rows(start, ids)) > 1e-2  # phase 1 trained
+    end, _ = paper.round(start)
+    moved, _ = lagged.round(start)
+    for state in (mid, end, moved):
+        np.testing.assert_array_equal(state.server.coef, np.eye(cd.num_clients))
+    for k in ids:
+        assert max_rel_err(_rows(end, [k]), _rows(mid, [k])) < 1e-5
+        assert max_rel_err(_rows(moved, [k]), _rows(mid, [k])) > 1e-3
+
+
+@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+def test_the_paper_round_is_its_phases_composed_by_hand(strategy):
+    """The driver's round against the reference round of `ktpfl(phase="train")` on the
+    hand-split step counts, `absorb` of the trained models' predictions, then the
+    reference round of `ktpfl(phase="distill")` from the new server state on the second
+    batch-order stream."""
+    from fedjax_pan.algorithms.core import tree_bytes
+    from fedjax_pan.engine.reference import reference_round
+    cd, model, variables, tx, public = _setup()
+    sim = _paper([model], [variables], np.zeros(cd.num_clients), strategy=strategy)
+    got, stats = sim.round(sim.init(None))
+    ids = sim.sample(0)
+    full = PFL_WORK.num_steps(cd.sizes[ids])
+    # round(0.4 x steps) in float32, half to even (4.5 -> 4), as the compiled round splits.
+    distill = np.round(np.float32(0.4) * full.astype(np.float32)).astype(np.int64)
+    assert (distill > 0).all() and (full - distill > 0).all()
+    train = ktpfl(model, tx, public, cd.num_clients, 0.4, phase="train", **OPTS)
+    distil = ktpfl(model, tx, public, cd.num_clients, 0.4, phase="distill", **OPTS)
+    server = train.server_init(variables)
+    start = jax.tree_util.tree_map(lambda x: jnp.stack([x] * len(ids)),
+                                   train.client_state_init(server))
+    one = sim.services.cohort(ids, 0, start)._replace(steps=full - distill)
+    absorbed, trained, loss = reference_round(train, cd, PFL_WORK.batch_size, server, one)
+    soft = jnp.stack([soft_predictions(model.apply(v, public), 1.0) for v in trained])
+    by_hand = absorb(server, jnp.asarray(ids), soft, jnp.asarray(cd.sizes[ids], jnp.float32),
+                     OPTS["lam"], OPTS["rho"], OPTS["coef_lr"], OPTS["simplex"])
+    assert max_rel_err(absorbed, by_hand) < 1e-5
+    stacked = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *trained)
+    two = sim.services.cohort(ids, 0, stacked, stage=1)._replace(steps=distill)
+    after, distilled, _ = reference_round(distil, cd, PFL_WORK.batch_size, absorbed, two)
+    assert after is absorbed  # phase 2 sends nothing
+    for field in ("coef", "soft", "sizes"):
+        assert max_rel_err(getattr(got.server, field), getattr(by_hand, field)) < 1e-5
+    want = jax.tree_util.tree_map(lambda *x: jnp.stack(x), *distilled)
+    assert max_rel_err(_rows(got, ids), want) < 1e-5
+    assert max_rel_err(want, stacked) > 1e-3  # phase 2 moved the models
+    assert stats["train_loss"] == pytest.approx(loss, rel=1e-5)
+    assert stats["upload_bytes"] == len(ids) * tree_bytes({"soft": soft[0], "size": jnp.float32(0)})
+    b = PFL_WORK.batch_size
+
+    def rows(n, s):  # whole epochs of n examples, then full batches
+        epochs, rest = divmod(s, -(-n // b))
+        return epochs * n + rest * b
+    assert stats["real_examples"] == sum(rows(int(n), int(s)) for steps in (full - distill, distill)
+                                         for n, s in zip(cd.sizes[ids], steps))
+    assert stats["computed_examples"] >= stats["real_examples"]
+
+
+def test_the_server_stores_the_trained_not_the_distilled_predictions():
+    """Two networks in the paper's order: after the round the server holds the phase-1
+    models' predictions and the c stepped on them; the distilled models' differ."""
+    cd, _, _, _, public = _setup()
+    nets = [models.build("mlp", 10, hidden=[24, 16]), models.build("mlp", 10, hidden=[12])]
+    initial = [models.init(n, jax.random.PRNGKey(i), (6, 6, 1)) for i, n in enumerate(nets)]
+    arch = np.arange(cd.num_clients) % 2
+    sim = _paper(nets, initial, arch)
+    start = sim.init(None)
+    mid, _ = sim.train_phase(start)
+    end, _ = sim.round(start)
+    ids = sim.sample(0)
+    assert {int(arch[k]) for k in ids} == {0, 1}
+    for field in ("coef", "soft", "sizes"):
+        np.testing.assert_array_equal(getattr(end.server, field), getattr(mid.server, field))
+    for k in ids:
+        a, g = int(arch[k]), sim.groups[int(arch[k])]
+        i = int(np.searchsorted(g.ids, k))
+        trained, distilled = _rows(mid, i, a), _rows(end, i, a)
+        pre = soft_predictions(nets[a].apply(trained, public), 1.0)
+        post = soft_predictions(nets[a].apply(distilled, public), 1.0)
+        assert max_rel_err(end.server.soft[k], pre) < 1e-6
+        # Near-uniform predictions of young models: distillation moves them by 2e-4 to 4e-3.
+        assert max_rel_err(end.server.soft[k], post) > 1e-4
+        assert max_rel_err(distilled, trained) > 1e-3
+        assert float(end.server.sizes[k]) == cd.sizes[k]
+    c1 = simplex_columns(update_coefficients(start.server.coef, end.server.soft,
+                                             end.server.sizes, 1.0, 0.1, 0.05))
+    assert max_rel_err(end.server.coef, c1) < 1e-6
+
+
+def test_the_order_option_is_checked_and_picks_the_round():
+    from fedjax_pan import experiment, schema
+    from fedjax_pan.defaults import default_config
+    from test_experiment import config
+    cfg = default_config()
+    assert cfg.ktpfl.order == "paper"
+    cfg.ktpfl.order = "late"
+    with pytest.raises(schema.ConfigError, match=r"config.ktpfl.order must be one of paper, "
+                                                 r"lagged, got 'late'"):
+        schema.validate(cfg)
+    paper = experiment.build(config(algorithm="ktpfl", partition__test_fraction=0.25))
+    assert isinstance(paper.simulation, KtMixed) and paper.simulation.order == "paper"
+    assert [g.ids.tolist() for g in paper.simulation.groups] == [list(range(20))]
+    lagged = experiment.build(config(algorithm="ktpfl", partition__test_fraction=0.25,
+                                     ktpfl__order="lagged"))
+    assert not isinstance(lagged.simulation, KtMixed)
+
+
+def _paper_config(**changes):
+    from test_experiment import config
+    return config(algorithm="ktpfl", partition__test_fraction=0.25,
+                  dataset__public_size=100, **changes)
+
+
+@pytest.mark.slow
+def test_config_runs_in_the_paper_order_and_resumes_exactly(tmp_path):
+    """The default order from a config: resumes exactly; its first round trains exactly as
+    the lagged order's (same batches, keys and steps before any distillation)."""
+    from fedjax_pan import experiment
+    from test_experiment import metrics
+    full = _resumes_exactly(_paper_config, tmp_path)
+    lag = str(tmp_path / "lag")
+    experiment.train(_paper_config(rounds=1, ktpfl__order="lagged"), lag, progress=False)
+    first, lagged = full[0], metrics(lag)[0]
+    assert first["train_loss"] == pytest.approx(lagged["train_loss"], rel=1e-6)
+    assert first["upload_bytes"] == lagged["upload_bytes"]  # one report a client

@@ -24,10 +24,39 @@ def test_client_optimizer_is_pytorch_sgd():
         np.testing.assert_allclose(np.asarray(p), p_hand, rtol=1e-6)
 
 
-@pytest.mark.parametrize("r,want", [(0, 0.1), (4, 0.5), (9, 1.0), (30, 1.0)])
-def test_round_warmup(r, want):
-    assert float(local.round_lr_scale(jnp.int32(r), "rounds", 10)) == pytest.approx(want)
-    assert float(local.round_lr_scale(jnp.int32(r), "steps", 10)) == 1.0
+@pytest.mark.parametrize("kind,length", [("rounds", 10), ("steps", 3), ("none", 3),
+                                         ("rounds", 0)])
+def test_warmup_scales_each_step_as_pytorch_with_a_changed_lr(kind, length):
+    """Round r, local step t: lr x min((r + 1) / L, 1) ('rounds') or lr x min((t + 1) / L,
+    1) ('steps'), the momentum buffer unscaled, as PyTorch's SGD after setting its lr."""
+    lr, m = 0.1, 0.9
+    tx = local.client_optimizer(lr, m, warmup=kind, warmup_length=length)
+    grads = [np.array([3.0, 4.0]), np.array([0.1, -0.2]), np.array([1.0, 1.0]),
+             np.array([-2.0, 0.5]), np.array([0.3, 0.3])]
+    for r in (0, 4, 9, 30):
+        p = jnp.asarray([1.0, -2.0])
+        state = local.start_round(tx.init(p), r)
+        sched = local.schedule(tx, r)
+        p_hand, buf = np.array([1.0, -2.0]), np.zeros(2)
+        for t, g in enumerate(grads):
+            factor = 1.0
+            if kind == "rounds" and length:
+                factor = min((r + 1) / length, 1.0)
+            if kind == "steps":
+                factor = min((t + 1) / length, 1.0)
+            assert float(local.warmup_factor(state)) == pytest.approx(factor)
+            assert float(local.warmup_factor(sched)) == pytest.approx(factor)
+            upd, state = tx.update(jnp.asarray(g), state, p)
+            p = optax.apply_updates(p, upd)
+            sched = local.tick(sched)
+            buf = m * buf + g
+            p_hand = p_hand - lr * factor * buf
+            np.testing.assert_allclose(np.asarray(p), p_hand, rtol=1e-6, atol=1e-6)
+
+
+def test_unknown_warmup_is_refused():
+    with pytest.raises(ValueError, match="'linear'"):
+        local.client_optimizer(0.1, warmup="linear", warmup_length=3)
 
 
 def test_masked_cross_entropy_ignores_padding():

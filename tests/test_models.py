@@ -1,10 +1,13 @@
 """Models: parameter counts, PAN placement against hand-written forward passes, init, options."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import random_init
 from fedjax_pan import models
 from fedjax_pan.models import layers
 from fedjax_pan.pan import PANConfig, encoding
@@ -16,6 +19,11 @@ KEY = jax.random.PRNGKey(0)
 
 def _init(model, shape):
     return models.init(model, KEY, shape)
+
+
+def _shapes(model, shape):
+    """`models.init`'s variables as shapes (nothing compiles)."""
+    return jax.eval_shape(lambda: _init(model, shape))
 
 
 def _inputs(shape, n=2, seed=1):
@@ -31,22 +39,27 @@ def _conv_count(channels, k=3):
 
 
 def test_parameter_counts_match_the_paper_architectures():
-    mlp = _init(models.build("mlp", 10), (28, 28, 1))
+    mlp = _shapes(models.build("mlp", 10), (28, 28, 1))
     assert models.count_params(mlp) == _dense_count([784, 1024, 1024, 1024, 10]) == 2_913_290
-    vgg9 = _init(models.build("vgg9", 10), (32, 32, 3))
+    vgg9 = _shapes(models.build("vgg9", 10), (32, 32, 3))
     want = _conv_count([3, 32, 64, 128, 128, 256, 256]) + _dense_count([4096, 512, 512, 10])
     assert models.count_params(vgg9) == want == 3_491_530
-    cnn = _init(models.build("cnn", 10), (28, 28, 1))
+    cnn = _shapes(models.build("cnn", 10), (28, 28, 1))
     want = _conv_count([1, 32, 64], k=5) + _dense_count([7 * 7 * 64, 512, 10])
     assert models.count_params(cnn) == want == 1_663_370
 
 
-@pytest.mark.parametrize("name", models.NAMES)
-@pytest.mark.parametrize("shape", [(28, 28, 1), (32, 32, 3)])
+SHAPES = [(28, 28, 1), (32, 32, 3)]
+
+
+@pytest.mark.parametrize("name,shape", [  # each model by default, with one shape in turn
+    pytest.param(n, shape, marks=() if shape == SHAPES[i % 2] else pytest.mark.slow)
+    for i, n in enumerate(models.NAMES) for shape in SHAPES])
 def test_forward_pass_for_one_and_three_channels(name, shape):
     model = models.build(name, 7, pan=PAN_MUL)
-    variables = _init(model, shape)
-    logits, inter = models.apply_with_intermediates(model, variables, _inputs(shape, n=3))
+    variables = random_init(model, shape)
+    logits, inter = jax.jit(functools.partial(models.apply_with_intermediates, model))(
+        variables, _inputs(shape, n=3))
     assert logits.shape == (3, 7) and logits.dtype == jnp.float32
     assert bool(jnp.all(jnp.isfinite(logits)))
     head = variables["params"]["head"]
@@ -55,22 +68,28 @@ def test_forward_pass_for_one_and_three_channels(name, shape):
                                rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name,shape,norm", [
-    ("mlp", (28, 28, 1), "none"), ("mlp", (28, 28, 1), "batch"), ("vgg9", (32, 32, 3), "none"),
-    ("vgg11", (32, 32, 3), "group(8)"), ("resnet20", (32, 32, 3), "batch")])
-@pytest.mark.parametrize("off", [PANConfig("mul", 1.0, 0.0), PANConfig("add", 1.0, 0.0),
-                                 PANConfig("mul", 0.0, 0.5)])
+OFF = [PANConfig("mul", 1.0, 0.0), PANConfig("add", 1.0, 0.0), PANConfig("mul", 0.0, 0.5)]
+
+
+@pytest.mark.parametrize("name,shape,norm,off", [  # each network by default, the offs in turn
+    pytest.param(*net, off, marks=() if off == OFF[i % 3] else pytest.mark.slow)
+    for i, net in enumerate([("mlp", (28, 28, 1), "none"), ("mlp", (28, 28, 1), "batch"),
+                             ("vgg9", (32, 32, 3), "none"), ("vgg11", (32, 32, 3), "group(8)"),
+                             ("resnet20", (32, 32, 3), "batch")])
+    for off in OFF])
 def test_pans_off_is_bit_for_bit_the_baseline(name, shape, norm, off):
     base = models.build(name, 10, norm=norm)
-    variables = _init(base, shape)
+    variables = random_init(base, shape)
     x = _inputs(shape)
     with_off = models.build(name, 10, norm=norm, pan=off)
-    assert jax.tree_util.tree_structure(_init(with_off, shape)) == \
+    assert jax.tree_util.tree_structure(_shapes(with_off, shape)) == \
         jax.tree_util.tree_structure(variables)
-    np.testing.assert_array_equal(with_off.apply(variables, x), base.apply(variables, x))
+    # Each network compiled as one program, as training runs it.
+    out_off, out_base = (jax.jit(m.apply)(variables, x) for m in (with_off, base))
+    np.testing.assert_array_equal(out_off, out_base)
     # ... while a real PAN changes the function (with the same parameters).
     on = models.build(name, 10, norm=norm, pan=PAN_MUL)
-    assert not np.allclose(on.apply(variables, x), base.apply(variables, x))
+    assert not np.allclose(jax.jit(on.apply)(variables, x), out_base)
 
 
 def _bn_eval(z, scale, bias, mean, var):
@@ -112,7 +131,7 @@ def _conv(x, kernel, stride=1):
 
 def test_vgg9_first_conv_and_fc_pan_option():
     model = models.build("vgg9", 10, pan=PAN_ADD)
-    variables = _init(model, (32, 32, 3))
+    variables = random_init(model, (32, 32, 3))
     x = _inputs((32, 32, 3))
     _, inter = models.apply_with_intermediates(model, variables, x)
     p = variables["params"]["conv1"]
@@ -133,7 +152,7 @@ def test_vgg9_first_conv_and_fc_pan_option():
 
 def test_resnet_block_with_projection_shortcut_matches_hand_computation():
     model = models.build("resnet20", 10, pan=PAN_MUL, widths=(8, 16, 32), stem_width=8)
-    variables = _init(model, (16, 16, 3))
+    variables = random_init(model, (16, 16, 3))
     x = _inputs((16, 16, 3))
     _, inter = models.apply_with_intermediates(model, variables, x)
     p, s = variables["params"], variables["batch_stats"]
@@ -179,7 +198,7 @@ def test_initialisation_follows_the_released_code():
 
 def test_batch_norm_updates_running_statistics_in_train_mode():
     model = models.build("vgg9", 10, norm="batch")
-    variables = _init(model, (32, 32, 3))
+    variables = random_init(model, (32, 32, 3))
     _, state = model.apply(variables, _inputs((32, 32, 3), n=4), train=True,
                            mutable=["batch_stats"])
     before = variables["batch_stats"]["conv1_norm"]["mean"]
@@ -188,9 +207,9 @@ def test_batch_norm_updates_running_statistics_in_train_mode():
 
 
 def test_width_options():
-    v = _init(models.build("resnet20", 10, widths=[16, 32, 64], stem_width=16), (32, 32, 3))
+    v = _shapes(models.build("resnet20", 10, widths=[16, 32, 64], stem_width=16), (32, 32, 3))
     assert v["params"]["head"]["kernel"].shape == (64, 10)
-    v = _init(models.build("vgg9", 10, width=0.5), (32, 32, 3))
+    v = _shapes(models.build("vgg9", 10, width=0.5), (32, 32, 3))
     assert v["params"]["conv1"]["kernel"].shape == (3, 3, 3, 16)
 
 
@@ -218,7 +237,7 @@ def test_group_norm_must_divide_channels():
 def test_batch_norm_mask_ignores_padded_examples():
     """A masked partial batch behaves exactly like the short batch PyTorch would see."""
     model = models.build("vgg9", 10, norm="batch", width=0.25)
-    variables = _init(model, (8, 8, 3))
+    variables = random_init(model, (8, 8, 3))
     x = _inputs((8, 8, 3), n=6)
     mask = jnp.asarray([1, 1, 1, 1, 0, 0], jnp.float32)
     garbage = x.at[4:].set(1e3)  # what sits in the padded rows must not matter

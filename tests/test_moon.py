@@ -24,6 +24,7 @@ SIZES = [27, 39, 19, 36, 62, 13]
 WORK = LocalWork(batch_size=8, epochs=1.5)
 SHAPE = (6, 6, 1)
 TX = client_optimizer(0.05, 0.9, 1e-5, 100.0)
+WARM_TX = client_optimizer(0.05, 0.9, 1e-5, 100.0, "steps", 3)
 tree_map = jax.tree_util.tree_map
 
 
@@ -40,8 +41,8 @@ def _setup():
 def _algo(mu):
     model = _setup()[2]
     if mu is None:
-        return fedavg(model, TX, warmup="steps", warmup_length=3)
-    return moon(model, TX, mu=mu, warmup="steps", warmup_length=3)
+        return fedavg(model, WARM_TX)
+    return moon(model, WARM_TX, mu=mu)
 
 
 @functools.lru_cache(maxsize=None)
@@ -294,7 +295,7 @@ def test_config_entry():
     assert ENTRY.rules["tau"].check(0.5) is None and ENTRY.rules["tau"].check(0.0)
     model = _setup()[2]
     cfg = SimpleNamespace(moon=SimpleNamespace(mu=0.0, tau=0.2), aggregation=SimpleNamespace(
-        bn="mean"), optimizer=SimpleNamespace(warmup="none", warmup_length=0))
+        bn="mean"), optimizer=SimpleNamespace())
     built = ENTRY.build(model, cfg, TX, optax.sgd(1.0))
     assert isinstance(built.client_state_init(built.server_init(_setup()[3])), ClientState)
     with pytest.raises(ValueError, match="tau"):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import random_init
 from fedjax_pan import models
 from fedjax_pan import permutation as P
 
@@ -14,17 +15,17 @@ SMALL = {"vgg9": {"width": 0.25}, "vgg11": {"width": 0.25}, "vgg13": {"width": 0
 
 
 def _model(name, norm, pan=None, shape=(32, 32, 3)):
+    """A small network with distinct random values everywhere, running statistics and
+    norm scales included (`random_init`)."""
     model = models.build(name, 10, norm=norm, pan=pan, **SMALL[name])
-    variables = models.init(model, jax.random.PRNGKey(0), shape)
-    if "batch_stats" in variables:  # realistic running statistics from a train-mode pass
-        x = jnp.asarray(np.random.default_rng(5).normal(size=(16, *shape)), jnp.float32)
-        _, state = model.apply(variables, x, train=True, mutable=["batch_stats"])
-        variables["batch_stats"] = state["batch_stats"]
-    return model, variables
+    return model, random_init(model, shape)
 
 
-CASES = [(n, norm) for n in ["mlp", "vgg9", "vgg11", "vgg13", "vgg16", "resnet20"]
-         for norm in ["none", "batch", "group(4)"]]
+NETS, NORMS = ["mlp", "vgg9", "vgg11", "vgg13", "vgg16", "resnet20"], ["none", "batch", "group(4)"]
+# Every network under one norm in the default run (the norms in turn), every pair in the
+# slow run.
+CASES = [pytest.param(n, norm, marks=() if norm == NORMS[i % 3] else pytest.mark.slow)
+         for i, n in enumerate(NETS) for norm in NORMS]
 
 
 @pytest.mark.parametrize("name,norm", CASES)
@@ -34,9 +35,10 @@ def test_pans_off_networks_are_permutation_invariant(name, norm):
     perms = P.random_permutations(spec, np.random.default_rng(1), p_sf=1.0)
     assert all(P.r_kept(p) < 0.2 for p in perms.values())  # really shuffled
     x = jnp.asarray(np.random.default_rng(2).normal(size=(4, 32, 32, 3)), jnp.float32)
-    out = np.asarray(model.apply(variables, x))
+    apply = jax.jit(model.apply)  # one program for both
+    out = np.asarray(apply(variables, x))
     permuted = P.apply_permutation(spec, perms, variables)
-    out_sf = np.asarray(model.apply(permuted, x))
+    out_sf = np.asarray(apply(permuted, x))
     assert np.max(np.abs(out_sf - out)) <= 1e-5 * np.max(np.abs(out))
     # ... while the parameters themselves did change, and the inverse restores them exactly.
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(permuted),
@@ -58,7 +60,7 @@ GROUPED = {  # the first grouped layer a conv, an FC; a grouped conv feeding the
 def test_grouped_models_are_invariant_to_within_group_permutations(case):
     name, options, shape = GROUPED[case]
     model = models.build(name, 10, **options)
-    variables = models.init(model, jax.random.PRNGKey(0), shape)
+    variables = random_init(model, shape)
     rng = np.random.default_rng(4)  # nonzero biases and GroupNorm shifts, so order matters
     variables = jax.tree_util.tree_map(
         lambda x: x + jnp.asarray(0.1 * rng.normal(size=x.shape), x.dtype), variables)
@@ -114,7 +116,7 @@ def test_compiled_permutation_equals_numpy_take(case):
     if case == "grouped_vgg11":
         name, options, shape = GROUPED["vgg11"]
         model = models.build(name, 10, **options)
-        variables = models.init(model, jax.random.PRNGKey(0), shape)
+        variables = random_init(model, shape)
     else:
         name, norm = {"mlp": ("mlp", "batch"), "vgg9_group": ("vgg9", "group(4)"),
                       "resnet20": ("resnet20", "batch")}[case]

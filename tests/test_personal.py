@@ -23,10 +23,9 @@ def _flat(tree):
 
 @pytest.mark.parametrize("warmup", ["none", "rounds", "steps"])
 def test_nothing_personal_is_fedavg(warmup):
-    cd, model, variables, tx = _setup()
-    _, shared, _ = _rounds(partial_sharing(model, tx, lambda path: False, warmup=warmup,
-                                           warmup_length=3), cd, variables)
-    _, avg, _ = _rounds(fedavg(model, tx, warmup=warmup, warmup_length=3), cd, variables)
+    cd, model, variables, tx = _setup(warmup=warmup)
+    _, shared, _ = _rounds(partial_sharing(model, tx, lambda path: False), cd, variables)
+    _, avg, _ = _rounds(fedavg(model, tx), cd, variables)
     assert max_rel_err(shared.server.params, avg.server.params) < 1e-6
     assert max_rel_err(avg.server.params, variables["params"]) > 1e-2  # it trained
 

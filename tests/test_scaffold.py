@@ -20,8 +20,8 @@ LR, MOMENTUM, WARMUP = 0.05, 0.9, 3
 
 def _tiny_scaffold(norm="none"):
     model, variables, base = tiny_fedavg(norm=norm)  # lr 0.05, momentum 0.9, 'steps' warm-up 3
-    algo = scaffold(model, client_optimizer(LR, MOMENTUM, 1e-5, 100.0), LR, momentum=MOMENTUM,
-                    warmup="steps", warmup_length=WARMUP)
+    algo = scaffold(model, client_optimizer(LR, MOMENTUM, 1e-5, 100.0, "steps", WARMUP), LR,
+                    momentum=MOMENTUM)
     return variables, base, algo
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from conftest import tiny_clients
+from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
 from fedjax_pan import permutation as P
 from fedjax_pan.algorithms import ClientContext, fedavg
@@ -29,8 +29,9 @@ def test_no_shuffles_is_the_plain_algorithm():
         sim = Simulation(a, cd, work, make_executor("loop", a, work, cd, variables, 2), 0.7)
         state, _ = sim.round(sim.init(variables))
         finals.append(state.server)
-    for x, y in zip(jax.tree_util.tree_leaves(finals[0]), jax.tree_util.tree_leaves(finals[1])):
-        np.testing.assert_array_equal(x, y)
+    # Two programs: equal to rounding under the suite's compile flags (conftest), and bit
+    # for bit under XLA's defaults (BatchNorm's zero-gradient biases hold only rounding).
+    assert max_rel_err(finals[1], finals[0]) < 1e-6
 
 
 def test_shuffles_permute_the_local_model_and_compose():

@@ -99,7 +99,7 @@ def grouped_step_rows(settings: Settings, ceiling: float) -> Dict[str, Any]:
             "y": jnp.asarray(rng.integers(0, 10, batch), jnp.int32),
             "mask": jnp.ones(batch, jnp.float32)}
     tx = client_optimizer(settings.learning_rate, settings.momentum, 0.0, None)
-    state = jax.jit(lambda v: local.init_local(tx, v, 1.0))(variables)
+    state = jax.jit(lambda v: local.init_local(tx, v, 0))(variables)
     calls = {impl: (jax.jit(lambda s, b, m=build(impl): local.sgd_step(m, tx, s, b)[0]),
                     (state, data)) for impl in CONCRETE_IMPLS}
     timed = _time_interleaved(calls, settings.grouped_reps, settings.grouped_budget_s)

@@ -44,13 +44,12 @@ def _mix(alpha, v, w):
 
 def apfl(model: nn.Module, client_tx: optax.GradientTransformation, learning_rate: float,
          server_tx: optax.GradientTransformation = optax.sgd(1.0), *, alpha: float = 0.5,
-         adaptive: bool = True, alpha_lr: float = 0.05, warmup: str = "none",
-         warmup_length: int = 0) -> FederatedAlgorithm:
+         adaptive: bool = True, alpha_lr: float = 0.05) -> FederatedAlgorithm:
     """APFL; `learning_rate` is the personal model's step size (plain SGD, as the paper);
-    the global copy warms up as FedAvg's `warmup` does (the personal step does not)."""
+    the global copy warms up as `client_tx` does (the personal step does not)."""
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"APFL's alpha must lie in [0, 1], got {alpha}")
-    base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length)
+    base = fedavg(model, client_tx, server_tx)
 
     def client_state_init(server):
         return {"params": server.params, "alpha": jnp.asarray(alpha, jnp.float32)}
@@ -93,8 +92,7 @@ def apfl(model: nn.Module, client_tx: optax.GradientTransformation, learning_rat
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     return apfl(model, client_tx, cfg.optimizer.lr, server_tx, alpha=cfg.apfl.alpha,
-                adaptive=cfg.apfl.adaptive, alpha_lr=cfg.apfl.alpha_lr,
-                warmup=cfg.optimizer.warmup, warmup_length=cfg.optimizer.warmup_length)
+                adaptive=cfg.apfl.adaptive, alpha_lr=cfg.apfl.alpha_lr)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)

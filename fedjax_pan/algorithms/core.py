@@ -26,8 +26,8 @@ class AlgorithmEntry(NamedTuple):
     sampling, key streams, cohorts trained through cached executors, statistics)
     returning an `engine.protocol.Round` (init, round, evaluation, personal_evaluation,
     personal_groups, num_sampled, shapes_change), or None where this config runs as one
-    compiled round after all (KT-pFL with one architecture); the engine runs it as it runs
-    a Simulation.
+    compiled round after all (KT-pFL in the lagged order with one architecture); the engine
+    runs it as it runs a Simulation.
     A driver of an algorithm with `public` also takes `public=`.
     """
 

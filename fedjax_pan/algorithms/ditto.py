@@ -41,13 +41,13 @@ class DittoLocal(NamedTuple):
 
 
 def ditto(model: nn.Module, client_tx: optax.GradientTransformation, learning_rate: float,
-          server_tx: optax.GradientTransformation = optax.sgd(1.0), *, lam: float = 0.1,
-          warmup: str = "none", warmup_length: int = 0) -> FederatedAlgorithm:
+          server_tx: optax.GradientTransformation = optax.sgd(1.0), *, lam: float = 0.1
+          ) -> FederatedAlgorithm:
     """Ditto with proximal weight `lam`; `learning_rate` is `client_tx`'s (the proximal
-    step's size); both models warm their learning rate up as FedAvg's `warmup` does."""
+    step's size); both models follow `client_tx`'s warm-up."""
     if lam < 0:
         raise ValueError(f"Ditto's lambda must be >= 0, got {lam}")
-    base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length)
+    base = fedavg(model, client_tx, server_tx)
     shrink = 1.0 / (1.0 + learning_rate * lam)
 
     def client_state_init(server):
@@ -56,13 +56,12 @@ def ditto(model: nn.Module, client_tx: optax.GradientTransformation, learning_ra
 
     def client_init(server, client_state, ctx):
         shared = base.client_init(server, None, ctx)
-        personal = local_lib.init_local(client_tx, client_state, shared.lr_scale)
+        personal = local_lib.init_local(client_tx, client_state, server.round)
         return DittoLocal(shared, personal)
 
     def client_step(local, batch, server):
         shared, metrics = base.client_step(local.shared, batch, server)
-        personal, _ = local_lib.sgd_step(model, client_tx, local.personal, batch, warmup,
-                                         warmup_length)
+        personal, _ = local_lib.sgd_step(model, client_tx, local.personal, batch)
         params = jax.tree_util.tree_map(
             lambda v, w: (v + (learning_rate * lam) * w) * shrink, personal.params,
             server.params)
@@ -83,8 +82,7 @@ def ditto(model: nn.Module, client_tx: optax.GradientTransformation, learning_ra
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    return ditto(model, client_tx, cfg.optimizer.lr, server_tx, lam=cfg.ditto.lam,
-                 warmup=cfg.optimizer.warmup, warmup_length=cfg.optimizer.warmup_length)
+    return ditto(model, client_tx, cfg.optimizer.lr, server_tx, lam=cfg.ditto.lam)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)

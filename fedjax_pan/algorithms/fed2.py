@@ -69,8 +69,7 @@ def _map_grouped(fn_grouped, fn_shared, owners, params: PyTree) -> PyTree:
 
 def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
          server_tx: optax.GradientTransformation = optax.sgd(1.0), *,
-         group_weights: str = "class_samples", trim: bool = False, warmup: str = "none",
-         warmup_length: int = 0) -> FederatedAlgorithm:
+         group_weights: str = "class_samples", trim: bool = False) -> FederatedAlgorithm:
     """Fed2 (or, with trim=True, Psi-Net) for a grouped flax `model`."""
     gc = getattr(model, "grouped", None)
     if gc is None:
@@ -87,9 +86,8 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def client_init(server, client_state, ctx):
         del client_state
-        lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
         train = local_lib.init_local(client_tx, {"params": server.params,
-                                                 **server.model_state}, lr_scale)
+                                                 **server.model_state}, server.round)
         return Local(train, group_counts(ctx.label_counts, class_map, groups))
 
     def client_step(local, batch, server):
@@ -100,7 +98,7 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
             logits = jnp.where(kept, logits, jnp.finfo(logits.dtype).min)
             return local_lib.masked_cross_entropy(logits, labels, mask)
         train, metrics = local_lib.sgd_step(
-            model, client_tx, local.train, batch, warmup, warmup_length,
+            model, client_tx, local.train, batch,
             loss=trimmed if trim else local_lib.masked_cross_entropy)
         return Local(train, local.group_counts), metrics
 
@@ -145,7 +143,7 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
 
     # Server state, update and evaluation are FedAvg's: `finalize` hands its server update
     # the mean delta it expects, averaged group by group.
-    base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length)
+    base = fedavg(model, client_tx, server_tx)
     return base._replace(client_init=client_init, client_step=client_step,
                          client_output=client_output, aggregator=Aggregator(finalize),
                          upload_bytes=upload_bytes)
@@ -162,8 +160,7 @@ def _check(cfg: Any) -> None:
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     return fed2(model, client_tx, server_tx, group_weights=cfg.fed2.group_weights,
-                trim=cfg.fed2.trim, warmup=cfg.optimizer.warmup,
-                warmup_length=cfg.optimizer.warmup_length)
+                trim=cfg.fed2.trim)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, check=_check)

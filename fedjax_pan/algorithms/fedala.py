@@ -57,12 +57,12 @@ def _top(params: PyTree, names) -> dict:
 
 def fedala(model: nn.Module, client_tx: optax.GradientTransformation, ala_share: float,
            server_tx: optax.GradientTransformation = optax.sgd(1.0), *, layers: int = 1,
-           eta: float = 1.0, warmup: str = "none", warmup_length: int = 0
+           eta: float = 1.0
            ) -> FederatedAlgorithm:
     """FedALA over the top `layers` layers (in the model's call order), its ALA
     pass the first round(ala_share x local steps) steps; training warms up as FedAvg's."""
     local_lib.check_share(ala_share, "FedALA's share of local steps for ALA")
-    base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length)
+    base = fedavg(model, client_tx, server_tx)
 
     def top_names(params):
         # The model's call order: params dicts are sorted by name, where on ResNet20 and
@@ -142,8 +142,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     share = _ala_share(cfg)
     return fedala(model, client_tx, share, server_tx, layers=cfg.fedala.layers,
-                  eta=cfg.fedala.eta, warmup=cfg.optimizer.warmup,
-                  warmup_length=cfg.optimizer.warmup_length)
+                  eta=cfg.fedala.eta)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_ala_share)

@@ -34,11 +34,10 @@ class ServerState(NamedTuple):
 
 def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
            server_tx: optax.GradientTransformation = optax.sgd(1.0), *,
-           warmup: str = "none", warmup_length: int = 0, bn: str = "mean",
-           loss: local_lib.LossSum = local_lib.masked_cross_entropy) -> FederatedAlgorithm:
-    """FedAvg / FedOpt for a flax `model` trained locally with `client_tx` on `loss`."""
-    if warmup not in local_lib.WARMUPS:
-        raise ValueError(f"unknown warmup {warmup!r}; expected one of {local_lib.WARMUPS}")
+           bn: str = "mean", loss: local_lib.LossSum = local_lib.masked_cross_entropy
+           ) -> FederatedAlgorithm:
+    """FedAvg / FedOpt for a flax `model` trained locally with `client_tx` on `loss`; the
+    learning-rate warm-up, if any, is part of `client_tx` (`client_optimizer`)."""
     if bn not in BN_MODES:
         raise ValueError(f"unknown bn mode {bn!r}; expected one of {BN_MODES}")
 
@@ -53,14 +52,12 @@ def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
     def client_init(server, client_state, ctx):
         del ctx  # local training is deterministic given the batches
         model_state = server.model_state if client_state is None else client_state
-        lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
         return local_lib.init_local(client_tx, {"params": server.params, **model_state},
-                                    lr_scale)
+                                    server.round)
 
     def client_step(local, batch, server):
         del server  # FedAvg's local objective does not involve the global model
-        return local_lib.sgd_step(model, client_tx, local, batch, warmup, warmup_length,
-                                  loss=loss)
+        return local_lib.sgd_step(model, client_tx, local, batch, loss=loss)
 
     def client_output(local, server):
         delta = jax.tree_util.tree_map(lambda a, b: a - b, local.params, server.params)

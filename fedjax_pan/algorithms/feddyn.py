@@ -81,15 +81,14 @@ def linear_term(grad: PyTree, params: PyTree) -> jax.Array:
 
 
 def feddyn(model: nn.Module, client_tx: optax.GradientTransformation, *, alpha: float = 0.01,
-           log_term: bool = False, warmup: str = "none", warmup_length: int = 0,
+           log_term: bool = False,
            bn: str = "mean", loss: local_lib.LossSum = local_lib.masked_cross_entropy
            ) -> FederatedAlgorithm:
     """FedDyn for a flax `model`, under uniform aggregation weights (see the module doc)."""
     if not alpha > 0:
         raise ValueError(f"FedDyn needs alpha > 0 (the server divides by it), got {alpha}")
     # The server step theta + (mean delta - h/alpha) is FedAvg's with sgd(1).
-    base = fedavg(model, client_tx, optax.sgd(1.0), warmup=warmup,
-                  warmup_length=warmup_length, bn=bn, loss=loss)
+    base = fedavg(model, client_tx, optax.sgd(1.0), bn=bn, loss=loss)
 
     def server_init(variables):
         server = base.server_init(variables)
@@ -109,8 +108,8 @@ def feddyn(model: nn.Module, client_tx: optax.GradientTransformation, *, alpha: 
         def dynamic(grads, train):  # + alpha (params - theta) - g_k
             return tree_map(lambda d, p, t, g: d + alpha * (p - t) - g, grads, train.params,
                             theta, local.grad)
-        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch, warmup,
-                                            warmup_length, grad_transform=dynamic, loss=loss)
+        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch,
+                                            grad_transform=dynamic, loss=loss)
         if log_term:  # at the parameters the step's gradient was taken at
             term = (proximal_term(local.train.params, theta, alpha, "l2")
                     - linear_term(local.grad, local.train.params))
@@ -149,8 +148,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                          f"so it needs aggregation.weights 'uniform' and rule 'mean', got "
                          f"{agg.weights!r} and {agg.rule!r}")
     return feddyn(model, client_tx, alpha=cfg.feddyn.alpha, log_term=cfg.feddyn.log_term,
-                  warmup=cfg.optimizer.warmup,
-                  warmup_length=cfg.optimizer.warmup_length, bn=agg.bn)
+                  bn=agg.bn)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)

@@ -91,20 +91,18 @@ def freeze(tx: optax.GradientTransformation, frozen: Sequence[str]
 
 
 def local_training(model: nn.Module, tx: optax.GradientTransformation,
-                   frozen: Sequence[str] = (), warmup: str = "none",
-                   warmup_length: int = 0) -> FederatedAlgorithm:
+                   frozen: Sequence[str] = ()) -> FederatedAlgorithm:
     """Each client trains its own model (its client state) with the layers in `frozen`
     fixed and returns the trained model as its new state; it outputs nothing."""
     tx = freeze(tx, frozen)
 
     def client_init(server, client_state, ctx):
         del server
-        return local_lib.init_local(tx, client_state, local_lib.round_lr_scale(
-            ctx.round, warmup, warmup_length))
+        return local_lib.init_local(tx, client_state, ctx.round)
 
     def client_step(local, batch, server):
         del server
-        return local_lib.sgd_step(model, tx, local, batch, warmup, warmup_length)
+        return local_lib.sgd_step(model, tx, local, batch)
 
     def client_output(local, server):
         del server
@@ -221,8 +219,6 @@ class FedMA:
     mu0_bias: float = 0.1
     gamma: float = 7.0
     iterations: int = 5
-    warmup: str = "none"
-    warmup_length: int = 0
     cap: Optional[int] = 700  # IBM's cap on a layer's growth (None: none)
     own_init: bool = False  # round 0: each client from its own random initialisation
     # The retraining after the last hidden layer (only the head trains): its optimiser
@@ -263,7 +259,7 @@ class FedMA:
         """Every client's model trained by `work` (with `tx`, default `client_tx`) with
         `frozen` fixed: (models, metric sums, computed rows)."""
         tx = self.client_tx if tx is None else tx
-        algorithm = local_training(net, tx, frozen, self.warmup, self.warmup_length)
+        algorithm = local_training(net, tx, frozen)
         stacked = jax.tree_util.tree_map(lambda *x: jnp.asarray(np.stack(x)), *states)
         # Stage 0 orders batches as every other algorithm's local training does.
         cohort = self.services.cohort(ids, round_index, stacked, work=work, stage=stage)
@@ -352,12 +348,13 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     head_tx = head_retrain = None
     if o.head_retrain == "ibm" and retrain is not None:
         # IBM's main.py: the last retraining at lr / 10 with weight decay 1e-4, 3x epochs.
-        head_tx = local_lib.client_optimizer(opt.lr / 10, opt.momentum, 1e-4, opt.grad_clip)
+        head_tx = local_lib.client_optimizer(opt.lr / 10, opt.momentum, 1e-4, opt.grad_clip,
+                                             opt.warmup, opt.warmup_length)
         head_retrain = dataclasses.replace(retrain, epochs=3 * epochs,
                                            local_steps=None if retrain.local_steps is None
                                            else 3 * retrain.local_steps)
     return FedMA(model, client_tx, services, retrain, o.sigma, o.sigma0, o.mu0_bias, o.gamma,
-                 int(o.iterations), opt.warmup, opt.warmup_length, int(o.width_cap) or None,
+                 int(o.iterations), int(o.width_cap) or None,
                  bool(o.own_init), head_tx, head_retrain)
 
 

@@ -40,19 +40,19 @@ def proximal_term(params: PyTree, anchor: PyTree, mu: float, distance: str) -> j
 
 def fedprox(model: nn.Module, client_tx: optax.GradientTransformation,
             server_tx: optax.GradientTransformation = optax.sgd(1.0), *, mu: float = 0.01,
-            distance: str = "l2", warmup: str = "none", warmup_length: int = 0,
+            distance: str = "l2",
             bn: str = "mean") -> FederatedAlgorithm:
     """FedProx for a flax `model`; mu = 0 is FedAvg exactly."""
     if distance not in DISTANCES:
         raise ValueError(f"unknown FedProx distance {distance!r}; expected one of {DISTANCES}")
-    base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length,
+    base = fedavg(model, client_tx, server_tx,
                   bn=bn)
 
     def client_step(local, batch, server):
         def prox(params, local, batch, logits) -> Tuple[jax.Array, Dict[str, jax.Array]]:
             term = proximal_term(params, server.params, mu, distance)
             return term, {"prox_sum": term * jnp.sum(batch["mask"])}
-        return local_lib.sgd_step(model, client_tx, local, batch, warmup, warmup_length,
+        return local_lib.sgd_step(model, client_tx, local, batch,
                                   extra_loss=prox)
 
     return base._replace(client_step=client_step)
@@ -61,8 +61,7 @@ def fedprox(model: nn.Module, client_tx: optax.GradientTransformation,
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     return fedprox(model, client_tx, server_tx, mu=cfg.fedprox.mu,
-                   distance=cfg.fedprox.distance, warmup=cfg.optimizer.warmup,
-                   warmup_length=cfg.optimizer.warmup_length, bn=cfg.aggregation.bn)
+                   distance=cfg.fedprox.distance, bn=cfg.aggregation.bn)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)

@@ -35,35 +35,33 @@ class RepLocal(NamedTuple):
 
 
 def fedrep(model: nn.Module, client_tx: optax.GradientTransformation, head_share: float,
-           server_tx: optax.GradientTransformation = optax.sgd(1.0), *,
-           warmup: str = "none", warmup_length: int = 0) -> FederatedAlgorithm:
+           server_tx: optax.GradientTransformation = optax.sgd(1.0)
+           ) -> FederatedAlgorithm:
     """FedRep with the head trained for round(head_share x local steps) steps, then the
-    body; the learning rate warms up as FedAvg's `warmup` does."""
+    body; the learning rate follows `client_tx`'s warm-up in each phase."""
     local_lib.check_share(head_share, "FedRep's head share of the local steps")
     is_head = personal.PERSONAL["fedper"]
-    base = personal.partial_sharing(model, client_tx, is_head, server_tx, warmup=warmup,
-                                    warmup_length=warmup_length)
+    base = personal.partial_sharing(model, client_tx, is_head, server_tx)
 
     def client_init(server, client_state, ctx):
         full = base.client_init(server, client_state, ctx)
         body, head = personal.split_params(full.params, is_head)
         return RepLocal(
-            local_lib.LocalState(body, full.model_state, client_tx.init(body), full.step,
-                                 full.lr_scale),
-            local_lib.LocalState(head, {}, client_tx.init(head), full.step, full.lr_scale),
+            local_lib.init_local(client_tx, {"params": body, **full.model_state}, server.round),
+            local_lib.init_local(client_tx, {"params": head}, server.round),
             local_lib.phase_steps(head_share, ctx.num_steps))
 
     def head_step(local, batch):
         trained = local.head._replace(model_state=local.body.model_state)
         head, metrics = local_lib.sgd_step(
-            model, client_tx, trained, batch, warmup, warmup_length,
+            model, client_tx, trained, batch,
             full_params=lambda h: personal.join_params(local.body.params, h))
         body = local.body._replace(model_state=head.model_state)
         return local._replace(body=body, head=head._replace(model_state={})), metrics
 
     def body_step(local, batch):
         body, metrics = local_lib.sgd_step(
-            model, client_tx, local.body, batch, warmup, warmup_length,
+            model, client_tx, local.body, batch,
             full_params=lambda b: personal.join_params(b, local.head.params))
         return local._replace(body=body), metrics
 
@@ -89,8 +87,7 @@ def _head_share(cfg: Any) -> float:
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     share = _head_share(cfg)
-    return fedrep(model, client_tx, share, server_tx, warmup=cfg.optimizer.warmup,
-                  warmup_length=cfg.optimizer.warmup_length)
+    return fedrep(model, client_tx, share, server_tx)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_head_share)

@@ -45,11 +45,11 @@ def _check_head(params: PyTree) -> None:
 
 
 def fedrod(model: nn.Module, client_tx: optax.GradientTransformation,
-           server_tx: optax.GradientTransformation = optax.sgd(1.0), *,
-           warmup: str = "none", warmup_length: int = 0) -> FederatedAlgorithm:
+           server_tx: optax.GradientTransformation = optax.sgd(1.0)
+           ) -> FederatedAlgorithm:
     """FedRoD with both heads trained by `client_tx` (separate states per parameter),
-    warmed up as FedAvg's `warmup` does."""
-    base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length)
+    warmed up as `client_tx` says."""
+    base = fedavg(model, client_tx, server_tx)
     net = _WithFeatures(model)
 
     def client_state_init(server):
@@ -78,8 +78,7 @@ def fedrod(model: nn.Module, client_tx: optax.GradientTransformation,
             return loss_sum / jnp.maximum(jnp.sum(batch["mask"]), 1.0), {
                 "personal_loss_sum": loss_sum}
 
-        local, metrics = local_lib.sgd_step(net, client_tx, local, batch, warmup,
-                                            warmup_length, extra_loss=personal_loss,
+        local, metrics = local_lib.sgd_step(net, client_tx, local, batch, extra_loss=personal_loss,
                                             loss=generic_loss,
                                             full_params=lambda p: p["model"])
         return (local, counts), metrics
@@ -102,8 +101,7 @@ def fedrod(model: nn.Module, client_tx: optax.GradientTransformation,
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    return fedrod(model, client_tx, server_tx, warmup=cfg.optimizer.warmup,
-                  warmup_length=cfg.optimizer.warmup_length)
+    return fedrod(model, client_tx, server_tx)
 
 
 ENTRY = AlgorithmEntry(from_config, {}, {}, personal=True)

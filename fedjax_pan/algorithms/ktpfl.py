@@ -1,25 +1,33 @@
 """KT-pFL (Zhang et al., NeurIPS 2021; paper 001's Algorithm 1): personalised models that
 share knowledge through soft predictions on unlabelled public data.
 
-Every client n keeps its own model w^n (nothing is averaged). In a round a sampled client
-trains on its private data, then distils on public batches towards its personalised soft
-target sum_m c_mn s(w^m, x) (the server's latest soft predictions of every client, mixed
-by the knowledge-coefficient matrix c), minimising T^2 KL(target || s(w^n, x)) with
-s(w, x) = softmax(z / T) (Hinton's T^2 keeps the gradient's scale across T). It then
-sends its soft predictions on the whole public set. The server stores them and takes one
-gradient step on c (Eq. 7):
+Every client n keeps its own model w^n (nothing is averaged). A round, in the paper's order
+(`ktpfl.order = "paper"`, the default): (1) each sampled client trains on its private
+data; (2) it sends its soft predictions s(w^n, x) = softmax(z / T) on the whole public
+set; (3) the server stores them, takes one gradient step on c (Eq. 7) and forms each
+client's personalised target sum_m c_mn s^m from this round's predictions; (4) the client
+distils on public batches towards its target, minimising T^2 KL(target || s(w^n, x))
+(Hinton's T^2 keeps the gradient's scale across T). The step on c:
 
     c <- c - eta3 grad_c [ lam sum_n (D_n / D) KL(sum_m c_mn s^m || s^n)
                            + rho ||c - 1/N||^2 ]
 
-KL averaged over the public examples. The paper constrains c no further than the
-regulariser pulling it to 1/N; unconstrained, the steps shrink the columns' sums (a
-target is then no distribution) and drive entries negative, where the target's log turns
-NaN (Fashion-MNIST, 20 clients, the 2NN, the default eta3 = 0.1: column sums down to 0.39
-by round 7, an entry negative in round 8, c NaN from round 9, the training loss NaN in
-round 11). So by default (`simplex=True`) each column of c is projected onto the
-probability simplex after every step (Euclidean projection) and every target stays a
-mixture of the clients' predictions; `simplex=False` is the paper's unconstrained step.
+KL averaged over the public examples. With a server step between two client phases the
+round is no one compiled function: `KtMixed` runs it as a driver on the engine's services
+(phase 2 starts from the phase-1 model with a fresh optimiser, on a batch order of its own).
+`order = "lagged"` is one compiled round (`ktpfl`): a client trains, distils towards targets
+mixed from the predictions the server holds, sent at the end of the previous round (after
+that round's distillation), then sends its distilled model's predictions and the server
+steps c: the targets lag a round.
+
+The paper constrains c no further than the regulariser pulling it to 1/N; unconstrained,
+the steps shrink the columns' sums (a target is then no distribution) and drive entries
+negative, where the target's log turns NaN (Fashion-MNIST, 20 clients, the 2NN, the
+default eta3 = 0.1: column sums down to 0.39 by round 7, an entry negative in round 8, c
+NaN from round 9, the training loss NaN in round 11). So by default (`simplex=True`) each
+column of c is projected onto the probability simplex after every step (Euclidean
+projection) and every target stays a mixture of the clients' predictions; `simplex=False`
+is the paper's unconstrained step.
 `coef_update = "authors"` steps c as the authors' released code does instead
 (`authors_coefficients`: each client's column by the gradient of the MSE between its soft
 predictions and its target plus rho x the MSE to 1/N, at a rate rescaled by the gradient's
@@ -34,8 +42,8 @@ model (the global evaluation shows the initial one).
 
 Clients may differ in architecture (`config.ktpfl.architectures`, model specs separated by
 ';', client n taking spec n mod A as PFLlib's heterogeneous-model clients do): `KtMixed`
-groups clients by architecture, runs each group through an executor of its own, and
-steps the shared c and soft predictions once per round (`absorb`).
+groups clients by architecture, runs each group through executors of its own, and
+steps the shared c and soft predictions once per round (`absorb`), in either order.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ import optax
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
-                                        RoundInfo)
+                                        RoundInfo, weighted_sum)
 from fedjax_pan.engine.services import Services, SimState
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
@@ -80,13 +88,15 @@ def _architectures_rule(value: Any) -> Optional[str]:
 
 
 COEF_UPDATES = ("kl", "authors")  # Eq. 7's step on the KL objective, or the released code's
+ORDERS = ("paper", "lagged")  # a round's order (module docstring)
+PHASES = ("both", "train", "distill")  # `ktpfl`'s client work: a lagged round, or one phase
 OPTIONS = {"temperature": 1.0, "lam": 1.0, "rho": 0.1, "coef_lr": 0.1, "distill_epochs": 1.0,
-           "simplex": True, "coef_update": "kl", "architectures": ""}
+           "simplex": True, "coef_update": "kl", "architectures": "", "order": "paper"}
 # Logits are divided by the temperature in float32: >= 0.01 keeps them far from overflow.
 RULES = {"temperature": between(0.01, 100), "lam": between(0, 1e4), "rho": between(0, 1e4),
          "coef_lr": between(0, 100), "distill_epochs": between(0, 1000, lo_open=True),
          "simplex": Rule(boolean), "coef_update": one_of(COEF_UPDATES),
-         "architectures": Rule(_architectures_rule)}
+         "architectures": Rule(_architectures_rule), "order": one_of(ORDERS)}
 EPS = 1e-12  # inside logs of probabilities
 PUBLIC_SIZE = 1000  # unlabelled public examples held out by default
 
@@ -200,11 +210,18 @@ def absorb(server: Any, ids: jax.Array, soft: jax.Array, size: jax.Array, lam: f
 def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax.Array,
           num_clients: int, distill_share: float, *, temperature: float = 1.0,
           lam: float = 1.0, rho: float = 0.1, coef_lr: float = 0.1, simplex: bool = True,
-          coef_update: str = "kl",
-          eval_batch: int = 1000, warmup: str = "none", warmup_length: int = 0
+          coef_update: str = "kl", eval_batch: int = 1000, phase: str = "both"
           ) -> FederatedAlgorithm:
     """KT-pFL for `num_clients` clients of one architecture distilling on `public`
-    (normalised images); the last round(distill_share x steps) local steps distil."""
+    (normalised images). `phase` "both": the lagged order's one compiled round (the last
+    round(distill_share x steps) local steps distil towards the stored predictions; the
+    client then uploads its own). The paper order's phases, each taking all its cohort's
+    steps (the driver splits them): "train" trains on private data, uploads soft
+    predictions and the server update absorbs them; "distill" distils towards the
+    broadcast c and predictions from a fresh optimiser, uploads nothing and leaves the
+    server as it is."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     local_lib.check_share(distill_share, "KT-pFL's share of local steps for distillation")
     public = jnp.asarray(public, jnp.float32)
     n_pub = public.shape[0]
@@ -230,17 +247,17 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
         return {"params": server.params, **server.model_state}
 
     def client_init(server, client_state, ctx):
-        lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
-        train = local_lib.init_local(client_tx, client_state, lr_scale)
+        # ctx.round, not server.round: phase 2's server has already counted the round.
+        train = local_lib.init_local(client_tx, client_state, ctx.round)
         target = jnp.einsum("m,mpc->pc", server.coef[:, ctx.client_id], server.soft)
-        distill_from = (jnp.asarray(ctx.num_steps, jnp.int32)
-                        - local_lib.phase_steps(distill_share, ctx.num_steps))
+        steps = jnp.asarray(ctx.num_steps, jnp.int32)
+        distill_from = {"both": steps - local_lib.phase_steps(distill_share, ctx.num_steps),
+                        "train": steps, "distill": jnp.zeros((), jnp.int32)}[phase]
         return KtLocal(train, target, jax.random.fold_in(ctx.rng, 0x4B), distill_from,
                        jnp.asarray(ctx.num_examples, jnp.float32))
 
     def train_step(local, batch):
-        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch, warmup,
-                                            warmup_length)
+        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch)
         return local._replace(train=train), metrics
 
     def distill_step(local, batch):
@@ -253,24 +270,29 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
             per_row = kl_rows(target, soft_predictions(logits, temperature))
             return temperature ** 2 * jnp.sum(per_row * mask)
         public_batch = {"x": public[rows], "y": batch["y"], "mask": jnp.ones_like(batch["mask"])}
-        train, _ = local_lib.sgd_step(model, client_tx, local.train, public_batch, warmup,
-                                      warmup_length, loss=loss)
+        train, _ = local_lib.sgd_step(model, client_tx, local.train, public_batch, loss=loss)
         # The round's training loss is the private data's: distillation steps add nothing.
         return local._replace(train=train), {"loss_sum": jnp.zeros((), jnp.float32),
                                              "num_examples": jnp.zeros((), jnp.float32)}
 
     def client_step(local, batch, server):
         del server
+        if phase != "both":  # one kind of step: no branch of the other compiled
+            return (train_step if phase == "train" else distill_step)(local, batch)
         return jax.lax.cond(local.train.step < local.distill_from, train_step, distill_step,
                             local, batch)
 
     def client_output(local, server):
         del server
+        variables = {"params": local.train.params, **local.train.model_state}
+        if phase == "distill":
+            return (), variables
         soft = predict(local.train.params, local.train.model_state)
-        return ({"soft": soft, "size": local.size},
-                {"params": local.train.params, **local.train.model_state})
+        return {"soft": soft, "size": local.size}, variables
 
     def server_update(server, outputs, info):
+        if phase == "distill":
+            return server
         return absorb(server, info.client_ids, outputs["soft"], outputs["size"], lam, rho,
                       coef_lr, simplex, coef_update)
 
@@ -281,14 +303,16 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
         del server
         return client_state
 
+    # The clients' reports, stacked for `absorb` (phase 2 reports nothing: a sum of ()).
+    aggregator = (weighted_sum if phase == "distill"
+                  else Aggregator(lambda outs, weights: outs, stacked=True))
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
-                              aggregator=Aggregator(lambda outs, weights: outs, stacked=True),
-                              personal_variables=personal_variables)
+                              aggregator=aggregator, personal_variables=personal_variables)
 
 
 # ----------------------------------------------------------------------------------------
-# Clients of several architectures.
+# The driver: the paper's order, and clients of several architectures.
 # ----------------------------------------------------------------------------------------
 
 class KtMixedServer(NamedTuple):
@@ -300,25 +324,35 @@ class KtMixedServer(NamedTuple):
 
 
 class Group(NamedTuple):
-    """The clients of one architecture: global ids (sorted), network, algorithm, executor
-    (on the group's own rows of the data)."""
+    """The clients of one architecture: global ids (sorted), network, and for each phase
+    its order runs (`PHASES`) an algorithm and an executor (on the group's own rows of
+    the data)."""
     ids: np.ndarray
     model: nn.Module
-    algorithm: FederatedAlgorithm
-    executor: Any
+    algorithms: Dict[str, FederatedAlgorithm]
+    executors: Dict[str, Any]
 
 
 @dataclasses.dataclass
 class KtMixed:
-    """KT-pFL rounds over clients of several architectures: its server logic as an
-    `engine.protocol.Round` on the engine's `services`.
+    """KT-pFL's server logic as an `engine.protocol.Round` on the engine's `services`, over
+    clients of one or several architectures.
 
     Client n runs `models[arch[n]]` from `initial[arch[n]]`. Each architecture's clients
-    form a group with its own algorithm (`ktpfl` on that network) and executor; the group
+    form a group with its own algorithms (`ktpfl` on that network) and executors; the group
     sees the shared server state through `view` (c's columns of its clients, every
     client's soft predictions), so its clients' local work is exactly the one-architecture
     algorithm's. Batch orders and keys follow global client ids: how clients are grouped
     changes no number.
+
+    `order` "lagged" (this class's default; the config's is "paper"): each group runs
+    `ktpfl`'s compiled round, then c takes one step on every group's reports. "paper":
+    `train_phase` (every sampled client trains for steps - round(share x steps) steps and
+    reports soft predictions; c takes its step), then each distils for the
+    round(share x steps) steps left towards targets of the new c and predictions, from its
+    phase-1 model with a fresh optimiser (a "steps" warm-up starts again; momentum from
+    private training would carry the model on where the distillation gradient is zero),
+    on batches of a stream of its own (`services.cohort(stage=1)`).
     """
 
     models: Sequence[nn.Module]
@@ -329,10 +363,13 @@ class KtMixed:
     public: Any
     distill_share: float
     options: Dict[str, Any] = dataclasses.field(default_factory=dict)  # ktpfl's keywords
+    order: str = "lagged"  # ORDERS
 
     shapes_change = False
 
     def __post_init__(self):
+        if self.order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")
         self.arch = np.asarray(self.arch, np.int64)
         n = self.services.num_clients
         if self.arch.shape != (n,) or self.arch.min() < 0 or self.arch.max() >= len(self.models):
@@ -340,22 +377,30 @@ class KtMixed:
                              f"{len(self.models)} architectures, got {self.arch}")
         self.num_clients = n
         self.num_sampled = self.services.num_sampled
+        self.phases = ("both",) if self.order == "lagged" else ("train", "distill")
         self.groups: List[Group] = []
         for a, model in enumerate(self.models):
             ids = np.flatnonzero(self.arch == a)
             if not len(ids):
                 raise ValueError(f"no client has architecture {a} ({type(model).__name__}): "
                                  f"there are {n} clients for {len(self.models)} architectures")
-            algorithm = ktpfl(model, self.client_tx, self.public, len(ids),
-                              self.distill_share, **self.options)
+            algorithms = {p: ktpfl(model, self.client_tx, self.public, len(ids),
+                                   self.distill_share, phase=p, **self.options)
+                          for p in self.phases}
             per_round = max(1, -(-self.num_sampled * len(ids) // n))
-            executor = self.services.executor(("group", a), algorithm, self.initial[a],
-                                              data=self.services.subset(ids),
-                                              per_round=per_round)
-            self.groups.append(Group(ids, model, algorithm, executor))
+            data = self.services.subset(ids)
+            executors = {p: self.services.executor(("group", a, p), algorithms[p],
+                                                   self.initial[a], data=data,
+                                                   per_round=per_round)
+                         for p in self.phases}
+            self.groups.append(Group(ids, model, algorithms, executors))
+        # Each client's steps per phase, split as the compiled round splits them.
+        full = self.services.work.num_steps(self.services.data.sizes)
+        distill = np.asarray(local_lib.phase_steps(self.distill_share, full), np.int64)
+        self._steps = {"train": full - distill, "distill": distill}
         # Every group's algorithm steps c alike (one set of options): the first group's
         # server update serves the federation, its state carrying the fields it reads.
-        update = self.groups[0].algorithm.server_update
+        update = self.groups[0].algorithms[self.phases[0]].server_update
         self._absorb = jax.jit(lambda server, ids, soft, size: update(
             server, {"soft": soft, "size": size},
             RoundInfo(server.round, ids, jnp.full(ids.shape, 1.0 / ids.shape[0]), n)))
@@ -374,11 +419,12 @@ class KtMixed:
         n = self.num_clients
         soft, states = None, []
         for g, v in zip(self.groups, self.initial):
-            first = g.algorithm.server_init(v)
+            algorithm = g.algorithms[self.phases[0]]
+            first = algorithm.server_init(v)
             if soft is None:
                 soft = jnp.zeros((n, *first.soft.shape[1:]), jnp.float32)
             soft = soft.at[g.ids].set(first.soft[0])
-            one = g.algorithm.client_state_init(first)
+            one = algorithm.client_state_init(first)
             states.append(jax.tree_util.tree_map(
                 lambda x: jnp.broadcast_to(x, (len(g.ids), *np.shape(x))), one))
         server = KtMixedServer(tuple(self.initial), jnp.full((n, n), 1.0 / n, jnp.float32),
@@ -393,7 +439,7 @@ class KtMixed:
         return self.models[0], server.initial[0]
 
     def personal_evaluation(self, state) -> None:
-        """Clients of several networks are scored group by group (`personal_groups`)."""
+        """Clients are scored group by group (`personal_groups`)."""
         del state
         return None
 
@@ -402,17 +448,17 @@ class KtMixed:
         out = []
         for a, (g, states) in enumerate(zip(self.groups, state.client_states)):
             view = self.view(state.server, a)
-            out.append((g.model, g.ids, jax.vmap(g.algorithm.personal_variables,
-                                                 in_axes=(None, 0))(view, states)))
+            personal = g.algorithms[self.phases[0]].personal_variables
+            out.append((g.model, g.ids, jax.vmap(personal, in_axes=(None, 0))(view, states)))
         return out
 
-    def round(self, state) -> Tuple[Any, Dict[str, float]]:
-        """Runs round `state.round`: each group's sampled clients, then one server step."""
-        r = state.round
-        ids = self.sample(r)
-        server = state.server
-        states = list(state.client_states)
-        reported, soft, size, sums, computed = [], [], [], {}, 0
+    def _run(self, phase: str, server: KtMixedServer, client_states: Tuple[PyTree, ...],
+             ids: np.ndarray, r: int, stage: int = 0):
+        """Each group's clients among `ids` run `phase` of round r from `server`: (the
+        client states, theirs replaced; their reports (ids, soft predictions, sizes), None
+        in phase "distill"; metric sums, with computed_examples)."""
+        states = list(client_states)
+        reported, soft, size, sums = [], [], [], {"computed_examples": 0}
         for a, g in enumerate(self.groups):
             mine = ids[self.arch[ids] == a]
             if not len(mine):
@@ -420,29 +466,75 @@ class KtMixed:
             local = np.searchsorted(g.ids, mine)  # their rows in the group's data
             cohort = self.services.cohort(
                 mine, r, jax.tree_util.tree_map(lambda x: jnp.asarray(x)[local], states[a]),
-                rows=local)
-            result = g.executor.run(self.view(server, a), cohort)
+                rows=local, stage=stage)
+            if phase != "both":
+                cohort = cohort._replace(steps=self._steps[phase][mine])
+            result = g.executors[phase].run(self.view(server, a), cohort)
             states[a] = self._scatter(jax.tree_util.tree_map(jnp.asarray, states[a]),
                                       jnp.asarray(local), result.client_states)
-            reported.append(mine)
-            soft.append(result.outputs["soft"])
-            size.append(result.outputs["size"])
+            if phase != "distill":
+                reported.append(mine)
+                soft.append(result.outputs["soft"])
+                size.append(result.outputs["size"])
             for k, v in jax.device_get(result.metrics).items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-            computed += result.computed_examples
-        server = self._absorb(server, jnp.asarray(np.concatenate(reported), jnp.int32),
-                              jnp.concatenate(soft), jnp.concatenate(size))
+            sums["computed_examples"] += result.computed_examples
+        report = None if not reported else (
+            np.concatenate(reported), jnp.concatenate(soft), jnp.concatenate(size))
+        return tuple(states), report, sums
+
+    def _absorb_report(self, server: KtMixedServer, report) -> KtMixedServer:
+        ids, soft, size = report
+        return self._absorb(server, jnp.asarray(ids, jnp.int32), soft, size)
+
+    def _real_examples(self, ids: np.ndarray, phase: str) -> int:
+        """Real examples clients `ids` process in `phase`: the engine's count for as many
+        steps of a batch order."""
+        steps = self._steps[phase][ids]
+        work = self.services.work
+        return sum(self.services.real_examples(
+            ids[steps == s], dataclasses.replace(work, mode="steps", local_steps=int(s)))
+            for s in np.unique(steps) if s > 0)
+
+    def train_phase(self, state: SimState) -> Tuple[SimState, Dict[str, Any]]:
+        """Phase 1 of round `state.round` in the paper's order: the sampled clients train
+        on their private data and report soft predictions on the public set, and c takes
+        its step. The state then (round unchanged: phase 2 is to come) and the phase's
+        metric sums (with computed_examples)."""
+        if self.order != "paper":
+            raise ValueError(f"train_phase is the paper order's, not {self.order!r}'s")
+        r = state.round
+        states, report, sums = self._run("train", state.server, state.client_states,
+                                         self.sample(r), r)
+        return SimState(self._absorb_report(state.server, report), states, r), sums
+
+    def round(self, state: SimState) -> Tuple[SimState, Dict[str, Any]]:
+        """Runs round `state.round` in `order`: the next state and the round's statistics
+        (the training loss is the private training's)."""
+        r = state.round
+        ids = self.sample(r)
+        if self.order == "lagged":
+            states, report, sums = self._run("both", state.server, state.client_states,
+                                             ids, r)
+            server = self._absorb_report(state.server, report)
+            real = self.services.real_examples(ids)
+        else:
+            mid, sums = self.train_phase(state)
+            server = mid.server
+            states, _, more = self._run("distill", server, mid.client_states, ids, r, stage=1)
+            sums = {k: v + more[k] for k, v in sums.items()}
+            real = self._real_examples(ids, "train") + self._real_examples(ids, "distill")
+        computed = sums.pop("computed_examples")
         upload = sums.pop("upload_bytes")
-        stats = self.services.statistics(sums, real_examples=self.services.real_examples(ids),
-                                         computed_examples=computed, upload_bytes=upload)
-        return SimState(server, tuple(states), r + 1), stats
+        stats = self.services.statistics(sums, real_examples=real, computed_examples=computed,
+                                         upload_bytes=upload)
+        return SimState(server, states, r + 1), stats
 
 
 def _options(cfg: Any) -> Dict[str, Any]:
     o = cfg.ktpfl
     return dict(temperature=o.temperature, lam=o.lam, rho=o.rho, coef_lr=o.coef_lr,
-                simplex=o.simplex, coef_update=o.coef_update, eval_batch=cfg.eval.batch_size,
-                warmup=cfg.optimizer.warmup, warmup_length=cfg.optimizer.warmup_length)
+                simplex=o.simplex, coef_update=o.coef_update, eval_batch=cfg.eval.batch_size)
 
 
 def _distill_share(cfg: Any) -> float:
@@ -452,6 +544,8 @@ def _distill_share(cfg: Any) -> float:
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation, *, public: Any) -> FederatedAlgorithm:
+    """The lagged order's compiled round (a run in the paper's order takes the driver,
+    `mixed_from_config`)."""
     del server_tx  # nothing is averaged
     return ktpfl(model, client_tx, public, cfg.partition.num_clients, _distill_share(cfg),
                  **_options(cfg))
@@ -459,13 +553,14 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
 
 def mixed_from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                       services: Services, *, public: Any) -> Optional[KtMixed]:
-    """The `KtMixed` driver `config.ktpfl.architectures` describes (None when it is empty:
-    every client runs the config's model as one compiled round). Architecture 0 starts
-    from the seed's key as the config's model does, architecture a > 0 from the key
-    folded with a; PANs as the config sets them."""
-    del model
+    """The `KtMixed` driver `config.ktpfl` describes: its `order`, over the networks
+    `architectures` lists ('': every client runs `model`). None for one network in the
+    lagged order: that is one compiled round. Architecture 0 starts from the seed's key
+    as the config's model does, architecture a > 0 from the key folded with a; PANs as
+    the config sets them."""
     specs = _spec_texts(cfg.ktpfl.architectures)
-    if not specs:
+    order = cfg.ktpfl.order
+    if not specs and order == "lagged":
         return None
     data = services.data
     n = data.num_clients
@@ -474,12 +569,13 @@ def mixed_from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTrans
                          "architecture needs a client")
     num_classes = int(data.label_counts.shape[1])
     pan = None if not cfg.pan.amplitude else cfg.pan.to_dict()
-    nets = [models.from_spec(s, num_classes, pan=pan, norm=cfg.model.norm) for s in specs]
+    nets = [models.from_spec(s, num_classes, pan=pan, norm=cfg.model.norm)
+            for s in specs] or [model]
     key = jax.random.PRNGKey(cfg.seed)
     initial = [models.init(net, key if a == 0 else jax.random.fold_in(key, a),
                            tuple(data.images.shape[1:])) for a, net in enumerate(nets)]
-    return KtMixed(nets, initial, np.arange(n) % len(specs), client_tx, services, public,
-                   _distill_share(cfg), _options(cfg))
+    return KtMixed(nets, initial, np.arange(n) % len(nets), client_tx, services, public,
+                   _distill_share(cfg), _options(cfg), order)
 
 
 # PUBLIC_SIZE examples held out as the public set unless dataset.public_size says otherwise.

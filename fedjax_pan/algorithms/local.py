@@ -1,9 +1,11 @@
 """Local training shared by algorithms: masked loss, one optax step, learning-rate warm-up.
 
-Warm-up (SPEC 3): the paper warms the learning rate over the first `length` local steps
+Warm-up (SPEC 3) is a transformation in the client optimiser (`scale_by_warmup`, added by
+`client_optimizer`): the paper warms the learning rate over the first `length` local steps
 of every round ('steps'); the authors' code warms it over the first `length` rounds
 ('rounds', lr_r = min((r + 1) / length, 1) * lr with r counted from 0). Scaling the final
 update by the factor equals PyTorch's SGD with a changed lr, momentum buffer included.
+A round's optimiser is started with `start_round`, which tells its warm-up the round.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from flax import struct
 
 PyTree = Any
 WARMUPS = ("none", "steps", "rounds")
@@ -26,26 +29,95 @@ class LocalState(NamedTuple):
     model_state: Dict[str, PyTree]  # non-trainable collections, e.g. batch_stats
     opt_state: PyTree
     step: jax.Array  # local steps taken this round
-    lr_scale: jax.Array  # round-level warm-up factor
+
+
+@struct.dataclass
+class WarmupState:
+    """The warm-up's part of an optimiser's state: updates made this round, and the round;
+    the kind and length are static (part of the tree's structure)."""
+
+    count: jax.Array
+    round: jax.Array
+    kind: str = struct.field(pytree_node=False)
+    length: int = struct.field(pytree_node=False)
+
+    def factor(self) -> jax.Array:
+        """The learning-rate factor of the next update."""
+        if self.kind == "rounds":
+            return jnp.minimum((self.round + 1) / self.length, 1.0).astype(jnp.float32)
+        return jnp.minimum((self.count + 1) / self.length, 1.0)
+
+
+def scale_by_warmup(kind: str, length: int) -> optax.GradientTransformation:
+    """Scale each update by the warm-up factor of its round and local step (module doc);
+    kind 'none' or length 0 is the identity."""
+    if kind not in WARMUPS:
+        raise ValueError(f"unknown warmup {kind!r}; expected one of {WARMUPS}")
+    if kind == "none" or length <= 0:
+        return optax.identity()
+
+    def init(params):
+        del params
+        return WarmupState(jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32), kind,
+                           int(length))
+
+    def update(updates, state, params=None):
+        del params
+        return scale_updates(updates, state.factor()), state.replace(count=state.count + 1)
+
+    return optax.GradientTransformation(init, update)
 
 
 def client_optimizer(learning_rate: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                     grad_clip: Optional[float] = None) -> optax.GradientTransformation:
-    """PyTorch-style SGD: clip the gradient norm, add weight decay, then momentum SGD."""
+                     grad_clip: Optional[float] = None, warmup: str = "none",
+                     warmup_length: int = 0) -> optax.GradientTransformation:
+    """PyTorch-style SGD: clip the gradient norm, add weight decay, then momentum SGD, its
+    step scaled by the learning-rate warm-up (`scale_by_warmup`)."""
     parts = []
     if grad_clip:
         parts.append(optax.clip_by_global_norm(grad_clip))
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
     parts.append(optax.sgd(learning_rate, momentum=momentum or None))
+    if warmup != "none" and warmup_length > 0:  # else skip a pass over the parameters
+        parts.append(scale_by_warmup(warmup, warmup_length))
+    elif warmup not in WARMUPS:
+        raise ValueError(f"unknown warmup {warmup!r}; expected one of {WARMUPS}")
     return optax.chain(*parts)
 
 
-def round_lr_scale(round_index: jax.Array, warmup: str, length: int) -> jax.Array:
-    """Warm-up factor of a whole round (1 unless warmup == 'rounds')."""
-    if warmup != "rounds" or length <= 0:
-        return jnp.ones((), jnp.float32)
-    return jnp.minimum((round_index + 1) / length, 1.0).astype(jnp.float32)
+def _is_warmup(x: Any) -> bool:
+    return isinstance(x, WarmupState)
+
+
+def _warmups(opt_state: PyTree, fn: Callable[[WarmupState], WarmupState]) -> PyTree:
+    return jax.tree_util.tree_map(lambda s: fn(s) if _is_warmup(s) else s, opt_state,
+                                  is_leaf=_is_warmup)
+
+
+def start_round(opt_state: PyTree, round_index: jax.Array) -> PyTree:
+    """A fresh optimiser's `opt_state` with its warm-up told the round."""
+    r = jnp.asarray(round_index, jnp.int32)
+    return _warmups(opt_state, lambda s: s.replace(round=r))
+
+
+def warmup_factor(opt_state: PyTree) -> jax.Array:
+    """The learning-rate factor of the optimiser's next update (1 without warm-up)."""
+    factors = [s.factor() for s in jax.tree_util.tree_leaves(opt_state, is_leaf=_is_warmup)
+               if _is_warmup(s)]
+    return factors[0] if factors else jnp.ones((), jnp.float32)
+
+
+def schedule(tx: optax.GradientTransformation, round_index: jax.Array) -> PyTree:
+    """`tx`'s learning-rate schedule alone, for steps an algorithm takes by hand: its state
+    on no parameters, started at `round_index`; read with `warmup_factor`, advanced with
+    `tick`."""
+    return start_round(tx.init({}), round_index)
+
+
+def tick(opt_state: PyTree) -> PyTree:
+    """`opt_state` one update on, as far as its warm-up is concerned."""
+    return _warmups(opt_state, lambda s: s.replace(count=s.count + 1))
 
 
 def split_variables(variables: Dict[str, PyTree]) -> Tuple[PyTree, Dict[str, PyTree]]:
@@ -55,11 +127,12 @@ def split_variables(variables: Dict[str, PyTree]) -> Tuple[PyTree, Dict[str, PyT
 
 
 def init_local(tx: optax.GradientTransformation, variables: Dict[str, PyTree],
-               lr_scale: jax.Array) -> LocalState:
-    """A fresh local state: the broadcast model and a fresh optimiser."""
+               round_index: jax.Array) -> LocalState:
+    """A fresh local state for round `round_index`: the broadcast model and a fresh
+    optimiser."""
     params, model_state = split_variables(variables)
-    return LocalState(params, model_state, tx.init(params), jnp.zeros((), jnp.int32),
-                      jnp.asarray(lr_scale, jnp.float32))
+    return LocalState(params, model_state, start_round(tx.init(params), round_index),
+                      jnp.zeros((), jnp.int32))
 
 
 def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
@@ -121,8 +194,7 @@ ExtraLoss = Callable[[PyTree, LocalState, Dict[str, jax.Array], jax.Array],
 
 
 def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalState,
-             batch: Dict[str, jax.Array], warmup: str = "none", warmup_length: int = 0,
-             extra_loss: Optional[ExtraLoss] = None,
+             batch: Dict[str, jax.Array], extra_loss: Optional[ExtraLoss] = None,
              grad_transform: Optional[Callable[[PyTree, LocalState], PyTree]] = None,
              loss: LossSum = masked_cross_entropy,
              full_params: Optional[Callable[[PyTree], PyTree]] = None,
@@ -146,21 +218,10 @@ def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalSta
     if grad_transform is not None:
         grads = grad_transform(grads, local)
     updates, opt_state = tx.update(grads, local.opt_state, local.params)
-    if warmup != "none":  # without warm-up the factor is 1: skip a pass over all parameters
-        updates = scale_updates(updates, step_scale(local.step, local.lr_scale, warmup,
-                                                    warmup_length))
     params = optax.apply_updates(local.params, updates)
-    new_local = LocalState(params, new_state, opt_state, local.step + 1, local.lr_scale)
+    new_local = LocalState(params, new_state, opt_state, local.step + 1)
     return new_local, {"loss_sum": loss_sum, "num_examples": jnp.sum(batch["mask"]),
                        **extra_metrics}
-
-
-def step_scale(step: jax.Array, lr_scale: jax.Array, warmup: str, length: int) -> jax.Array:
-    """The learning-rate factor of local step `step` (0-based) in a round whose factor is
-    `lr_scale`: the round's, times min((step + 1) / length, 1) when warmup == 'steps'."""
-    if warmup == "steps" and length > 0:
-        return lr_scale * jnp.minimum((step + 1) / length, 1.0)
-    return lr_scale
 
 
 def scale_updates(updates: PyTree, scale: jax.Array) -> PyTree:

@@ -110,14 +110,14 @@ def contrastive_loss(z: jax.Array, z_glob: jax.Array, z_prev: jax.Array, mask: j
 
 def moon(model: nn.Module, client_tx: optax.GradientTransformation,
          server_tx: optax.GradientTransformation = optax.sgd(1.0), *, mu: float = 1.0,
-         tau: float = 0.5, warmup: str = "none", warmup_length: int = 0,
+         tau: float = 0.5,
          bn: str = "mean") -> FederatedAlgorithm:
     """MOON for a flax `model` that sows 'features'; mu = 0 is FedAvg exactly."""
     if mu < 0:
         raise ValueError(f"MOON needs mu >= 0, got {mu}")
     if tau <= 0:
         raise ValueError(f"MOON needs a temperature tau > 0, got {tau}")
-    base = fedavg(model, client_tx, server_tx, warmup=warmup, warmup_length=warmup_length,
+    base = fedavg(model, client_tx, server_tx,
                   bn=bn)
     net = _WithFeatures(model)
 
@@ -147,8 +147,8 @@ def moon(model: nn.Module, client_tx: optax.GradientTransformation,
             l_con = contrastive_loss(outputs[1], z_glob, z_prev, batch["mask"], tau)
             return mu * l_con, {"contrastive_sum": l_con * jnp.sum(batch["mask"])}
 
-        train, metrics = local_lib.sgd_step(net, client_tx, local.train, batch, warmup,
-                                            warmup_length, extra_loss=model_contrastive,
+        train, metrics = local_lib.sgd_step(net, client_tx, local.train, batch,
+                                            extra_loss=model_contrastive,
                                             loss=ce)
         return local._replace(train=train), metrics
 
@@ -177,7 +177,6 @@ def state_bytes(variables: Dict[str, PyTree], num_clients: int, bn: str = "mean"
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     return moon(model, client_tx, server_tx, mu=cfg.moon.mu, tau=cfg.moon.tau,
-                warmup=cfg.optimizer.warmup, warmup_length=cfg.optimizer.warmup_length,
                 bn=cfg.aggregation.bn)
 
 

@@ -40,8 +40,7 @@ RULES = {"beta": between(0, 100, lo_open=True, optional=True), "hessian_free": R
 class PerAvgLocal(NamedTuple):
     params: PyTree
     model_state: Dict[str, PyTree]
-    step: jax.Array
-    lr_scale: jax.Array
+    schedule: PyTree  # the learning-rate warm-up's state (`local.schedule`)
 
 
 def _parts(batch: Dict[str, jax.Array], n: int) -> list:
@@ -65,16 +64,16 @@ def _parts(batch: Dict[str, jax.Array], n: int) -> list:
 def perfedavg(model: nn.Module, alpha: float,
               server_tx: optax.GradientTransformation = optax.sgd(1.0), *,
               beta: Optional[float] = None, hessian_free: bool = False,
-              warmup: str = "none", warmup_length: int = 0,
+              lr_schedule: optax.GradientTransformation = optax.identity(),
               loss: local_lib.LossSum = local_lib.masked_cross_entropy) -> FederatedAlgorithm:
     """Per-FedAvg (FO, or HF with `hessian_free`) on `loss`; beta None: beta = alpha. The
-    learning rates warm up as FedAvg's `warmup` does."""
+    learning rates warm up as the optimiser `lr_schedule` does (from a config: the client
+    optimiser)."""
     beta = alpha if beta is None else beta
     if alpha <= 0 or beta <= 0:
         raise ValueError(f"Per-FedAvg needs alpha, beta > 0, got {alpha}, {beta}")
     parts = 3 if hessian_free else 2
-    base = fedavg(model, optax.sgd(alpha), server_tx, warmup=warmup,
-                  warmup_length=warmup_length)
+    base = fedavg(model, optax.sgd(alpha), server_tx)
 
     def grad(params, model_state, batch):
         """(grad of the mean loss, (its sum, the updated non-trainable state))."""
@@ -84,12 +83,12 @@ def perfedavg(model: nn.Module, alpha: float,
 
     def client_init(server, client_state, ctx):
         del client_state, ctx
-        return PerAvgLocal(server.params, server.model_state, jnp.zeros((), jnp.int32),
-                           local_lib.round_lr_scale(server.round, warmup, warmup_length))
+        return PerAvgLocal(server.params, server.model_state,
+                           local_lib.schedule(lr_schedule, server.round))
 
     def client_step(local, batch, server):
         del server
-        scale = local_lib.step_scale(local.step, local.lr_scale, warmup, warmup_length)
+        scale = local_lib.warmup_factor(local.schedule)
         cut = _parts(batch, parts)
         w = local.params
         g1, (loss_sum, state) = grad(w, local.model_state, cut[0])
@@ -102,7 +101,7 @@ def perfedavg(model: nn.Module, alpha: float,
             _, hv, state = jax.jvp(g3, (w,), (g2,), has_aux=True)  # H f(w; D'') g2
             g2 = tree_map(lambda g, h: g - scale * alpha * h, g2, hv)
         params = tree_map(lambda p, g: p - scale * beta * g, w, g2)
-        return (PerAvgLocal(params, state, local.step + 1, local.lr_scale),
+        return (PerAvgLocal(params, state, local_lib.tick(local.schedule)),
                 {"loss_sum": loss_sum, "num_examples": jnp.sum(cut[0]["mask"])})
 
     def client_output(local, server):
@@ -122,14 +121,13 @@ def perfedavg(model: nn.Module, alpha: float,
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    del client_tx  # Per-FedAvg's steps are its own (plain SGD, alpha and beta)
+    # Per-FedAvg's steps are its own (plain SGD, alpha and beta) on client_tx's warm-up
     parts = 3 if cfg.perfedavg.hessian_free else 2
     if cfg.local.batch_size < parts:
         raise ValueError(f"Per-FedAvg cuts each batch into {parts} parts; local.batch_size "
                          f"{cfg.local.batch_size} is too small")
     return perfedavg(model, cfg.optimizer.lr, server_tx, beta=cfg.perfedavg.beta,
-                     hessian_free=cfg.perfedavg.hessian_free, warmup=cfg.optimizer.warmup,
-                     warmup_length=cfg.optimizer.warmup_length)
+                     hessian_free=cfg.perfedavg.hessian_free, lr_schedule=client_tx)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)

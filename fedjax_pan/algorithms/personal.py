@@ -62,10 +62,10 @@ def join_params(shared: dict, own: dict) -> PyTree:
 
 def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
                     personal: Callable[[Path], bool],
-                    server_tx: optax.GradientTransformation = optax.sgd(1.0), *,
-                    warmup: str = "none", warmup_length: int = 0) -> FederatedAlgorithm:
+                    server_tx: optax.GradientTransformation = optax.sgd(1.0)
+                    ) -> FederatedAlgorithm:
     """FedAvg over the parameters `personal(path)` rejects; the rest stay per client;
-    the learning rate warms up as FedAvg's `warmup` does.
+    the learning rate follows `client_tx`'s warm-up.
 
     Non-trainable state (BatchNorm statistics) of a personal normalisation layer stays
     with the client too; the rest of it is averaged as FedAvg does.
@@ -93,12 +93,12 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
     def client_init(server, client_state, ctx):
         del ctx
         params, model_state = combined(server, client_state)
-        lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
-        return local_lib.init_local(client_tx, {"params": params, **model_state}, lr_scale)
+        return local_lib.init_local(client_tx, {"params": params, **model_state},
+                                    server.round)
 
     def client_step(local, batch, server):
         del server
-        return local_lib.sgd_step(model, client_tx, local, batch, warmup, warmup_length)
+        return local_lib.sgd_step(model, client_tx, local, batch)
 
     def client_output(local, server):
         shared, own = split_params(local.params, personal)
@@ -136,8 +136,7 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
 def _entry(name: str) -> AlgorithmEntry:
     return AlgorithmEntry(
         lambda model, cfg, client_tx, server_tx: partial_sharing(
-            model, client_tx, PERSONAL[name], server_tx, warmup=cfg.optimizer.warmup,
-            warmup_length=cfg.optimizer.warmup_length), {}, {}, personal=True)
+            model, client_tx, PERSONAL[name], server_tx), {}, {}, personal=True)
 
 
 ENTRIES = {name: _entry(name) for name in PERSONAL}

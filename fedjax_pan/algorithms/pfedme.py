@@ -41,30 +41,28 @@ class PFedMeLocal(NamedTuple):
     w: PyTree  # the client's copy of the global model
     theta: PyTree  # its personal model
     model_state: Dict[str, PyTree]
-    step: jax.Array
-    lr_scale: jax.Array
+    schedule: PyTree  # the learning-rate warm-up's state (`local.schedule`)
 
 
 def pfedme(model: nn.Module, learning_rate: float,
            server_tx: optax.GradientTransformation = optax.sgd(1.0), *, lam: float = 15.0,
            inner_steps: int = 5, personal_lr: float = 0.09, beta: float = 1.0,
-           mu: float = 0.0, warmup: str = "none", warmup_length: int = 0,
+           mu: float = 0.0, lr_schedule: optax.GradientTransformation = optax.identity(),
            loss: local_lib.LossSum = local_lib.masked_cross_entropy) -> FederatedAlgorithm:
-    """pFedMe; `learning_rate` is the local model's (w's) step size, warmed up as FedAvg's
-    `warmup` does; the inner problem's steps use `personal_lr` as they are."""
+    """pFedMe; `learning_rate` is the local model's (w's) step size, warmed up as the
+    optimiser `lr_schedule` is (from a config: the client optimiser); the inner problem's
+    steps use `personal_lr` as they are."""
     if inner_steps < 1:
         raise ValueError(f"pFedMe needs inner_steps >= 1, got {inner_steps}")
-    base = fedavg(model, optax.sgd(learning_rate), server_tx, warmup=warmup,
-                  warmup_length=warmup_length)
+    base = fedavg(model, optax.sgd(learning_rate), server_tx)
 
     def client_state_init(server):
         return {"params": server.params}
 
     def client_init(server, client_state, ctx):
         del client_state, ctx  # theta restarts from the received model
-        lr_scale = local_lib.round_lr_scale(server.round, warmup, warmup_length)
         return PFedMeLocal(server.params, server.params, server.model_state,
-                           jnp.zeros((), jnp.int32), lr_scale)
+                           local_lib.schedule(lr_schedule, server.round))
 
     def client_step(local, batch, server):
         del server
@@ -78,10 +76,9 @@ def pfedme(model: nn.Module, learning_rate: float,
             first_loss = loss_sum if first_loss is None else first_loss
             theta = tree_map(lambda t, gt, w: t - personal_lr * (gt + lam * (t - w) + mu * t),
                              theta, g, local.w)
-        rate = learning_rate * lam * local_lib.step_scale(local.step, local.lr_scale, warmup,
-                                                          warmup_length)
+        rate = learning_rate * lam * local_lib.warmup_factor(local.schedule)
         w = tree_map(lambda w, t: w - rate * (w - t), local.w, theta)
-        return (PFedMeLocal(w, theta, model_state, local.step + 1, local.lr_scale),
+        return (PFedMeLocal(w, theta, model_state, local_lib.tick(local.schedule)),
                 {"loss_sum": first_loss, "num_examples": count})
 
     def client_output(local, server):
@@ -98,11 +95,9 @@ def pfedme(model: nn.Module, learning_rate: float,
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    del client_tx  # pFedMe's steps are its own (plain SGD on w and on theta)
-    o = cfg.pfedme
+    o = cfg.pfedme  # its steps are its own plain SGD, on client_tx's warm-up
     return pfedme(model, cfg.optimizer.lr, server_tx, lam=o.lam, inner_steps=o.inner_steps,
-                  personal_lr=o.personal_lr, beta=o.beta, mu=o.mu,
-                  warmup=cfg.optimizer.warmup, warmup_length=cfg.optimizer.warmup_length)
+                  personal_lr=o.personal_lr, beta=o.beta, mu=o.mu, lr_schedule=client_tx)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)

@@ -50,8 +50,7 @@ def server_optimizer(name: str, learning_rate: float, momentum: float = 0.0,
 
 
 def _fedavg(model, cfg, client_tx, server_tx):
-    return fedavg(model, client_tx, server_tx, warmup=cfg.optimizer.warmup,
-                  warmup_length=cfg.optimizer.warmup_length, bn=cfg.aggregation.bn)
+    return fedavg(model, client_tx, server_tx, bn=cfg.aggregation.bn)
 
 
 ALGORITHMS: Dict[str, AlgorithmEntry] = {
@@ -88,7 +87,8 @@ def aggregator(rule: str, trim: float) -> core.Aggregator:
 def client_tx(cfg: Any) -> optax.GradientTransformation:
     """The clients' local optimiser `cfg.optimizer` describes."""
     opt = cfg.optimizer
-    return client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip)
+    return client_optimizer(opt.lr, opt.momentum, opt.weight_decay, opt.grad_clip, opt.warmup,
+                            opt.warmup_length)
 
 
 def public_size(cfg: Any, num_train: int) -> int:

@@ -17,7 +17,7 @@ and sends delta_y = y_k - x and delta_c = c_k+ - c_k (line 13). The server (line
 `steps * lr` is the total step size the round's gradients were applied with. We use its
 exact value for the local optimiser FedAvg's clients use: A = sum_t lr_t (1 - b^(t+1)) /
 (1 - b), with lr_t the step's learning rate (warm-up included: 'rounds' scales every step
-by the round's factor `lr_scale`, 'steps' ramps the first steps) and b the heavy-ball
+by the round's factor, 'steps' ramps the first steps) and b the heavy-ball
 momentum (the momentum buffer starts at zero each round, so gradient s moves y_k by
 sum_{t>=s} lr_t b^(t-s)). Then x - y_k = A * (a weighted mean of the corrected
 gradients), and c_k+ is that mean of the raw gradients, as in the paper; without momentum
@@ -73,20 +73,16 @@ class ScaffoldLocal(NamedTuple):
     lr_sum: jax.Array  # A: the total step size of the steps taken so far
 
 
-def step_size(train: local_lib.LocalState, lr: float, momentum: float, warmup: str,
-              warmup_length: int) -> jax.Array:
-    """Step t's share of A: lr_t (1 - b^(t+1)) / (1 - b), lr_t as `sgd_step` scales it."""
+def step_size(train: local_lib.LocalState, lr: float, momentum: float) -> jax.Array:
+    """Step t's share of A: lr_t (1 - b^(t+1)) / (1 - b), lr_t as `client_tx`'s warm-up
+    scales it."""
     t = train.step.astype(jnp.float32)
-    scale = train.lr_scale  # the round's warm-up factor (1 unless warmup == 'rounds')
-    if warmup == "steps" and warmup_length > 0:
-        scale = scale * jnp.minimum((t + 1.0) / warmup_length, 1.0)
     carried = (1.0 - momentum ** (t + 1.0)) / (1.0 - momentum) if momentum else 1.0
-    return lr * scale * carried
+    return lr * local_lib.warmup_factor(train.opt_state) * carried
 
 
 def scaffold(model: nn.Module, client_tx: optax.GradientTransformation, lr: float, *,
-             momentum: float = 0.0, server_lr: float = 1.0, warmup: str = "none",
-             warmup_length: int = 0, bn: str = "mean",
+             momentum: float = 0.0, server_lr: float = 1.0, bn: str = "mean",
              loss: local_lib.LossSum = local_lib.masked_cross_entropy) -> FederatedAlgorithm:
     """SCAFFOLD (option II) for a flax `model`; `lr` and `momentum` must be `client_tx`'s.
 
@@ -99,8 +95,7 @@ def scaffold(model: nn.Module, client_tx: optax.GradientTransformation, lr: floa
     if not server_lr > 0:
         raise ValueError(f"SCAFFOLD needs server_lr > 0, got {server_lr}")
     # x <- x - lr_g * (-mean delta_y): FedAvg's server step with sgd(lr_g).
-    base = fedavg(model, client_tx, optax.sgd(server_lr), warmup=warmup,
-                  warmup_length=warmup_length, bn=bn, loss=loss)
+    base = fedavg(model, client_tx, optax.sgd(server_lr), bn=bn, loss=loss)
 
     def server_init(variables):
         server = base.server_init(variables)
@@ -118,10 +113,10 @@ def scaffold(model: nn.Module, client_tx: optax.GradientTransformation, lr: floa
     def client_step(local, batch, server):
         del server  # c enters through the correction, fixed at client_init
         corrected = lambda grads, _: tree_map(jnp.add, grads, local.correction)  # noqa: E731
-        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch, warmup,
-                                            warmup_length, grad_transform=corrected,
+        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch,
+                                            grad_transform=corrected,
                                             loss=loss)
-        lr_sum = local.lr_sum + step_size(local.train, lr, momentum, warmup, warmup_length)
+        lr_sum = local.lr_sum + step_size(local.train, lr, momentum)
         return ScaffoldLocal(train, local.correction, lr_sum), metrics
 
     def client_output(local, server):
@@ -159,8 +154,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                          f"mean control variate), got {cfg.aggregation.rule!r}")
     opt = cfg.optimizer
     return scaffold(model, client_tx, opt.lr, momentum=opt.momentum,
-                    server_lr=cfg.scaffold.server_lr, warmup=opt.warmup,
-                    warmup_length=opt.warmup_length, bn=cfg.aggregation.bn)
+                    server_lr=cfg.scaffold.server_lr, bn=cfg.aggregation.bn)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
