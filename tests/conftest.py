@@ -21,6 +21,14 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 # (two side by side made the suite ~30% slower); tests of the side-by-side path ask for it.
 os.environ.setdefault("FEDJAX_PAN_WORKERS", "1")
 
+import signal  # noqa: E402
+
+# A shell without job control starts background commands with SIGINT ignored, and Python
+# then never raises KeyboardInterrupt, nor do the subprocesses tests start (an ignored
+# signal stays ignored across exec). The tests of Ctrl-C need it delivered.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
