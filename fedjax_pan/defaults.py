@@ -46,9 +46,12 @@ def default_config() -> ml_collections.ConfigDict:
         "warmup": "rounds", "warmup_length": 10})
     c.server = ml_collections.ConfigDict({"optimizer": "sgd", "lr": 1.0, "momentum": 0.0})
     # rule: 'mean' (weighted by `weights`), or robust 'median' / 'trimmed_mean' (cut `trim`
-    # of the clients at each end, per coordinate).
+    # of the clients at each end, per coordinate), 'multi_krum' (tolerating `byzantine`
+    # clients a round, averaging the `krum_keep` best; None: all but `byzantine`) or
+    # 'geometric_median' (RFA), each over the round's outputs (engine/robust.py).
     c.aggregation = ml_collections.ConfigDict({"weights": "uniform", "bn": "mean",
-                                               "rule": "mean", "trim": 0.1})
+                                               "rule": "mean", "trim": 0.1, "byzantine": 0,
+                                               "krum_keep": placeholder(int)})
     c.execution = ml_collections.ConfigDict({"strategy": "auto",
                                              "block_size": placeholder(int)})
     # local: also log each client's expected accuracy on a test set with its label mix.

@@ -89,6 +89,8 @@ RULES: Dict[str, Rule] = {
     "aggregation.bn": one_of(BN_MODES),
     "aggregation.rule": one_of(AGGREGATION_RULES),
     "aggregation.trim": between(0, 0.5, hi_open=True),
+    "aggregation.byzantine": between(0, 1e5, integer=True),
+    "aggregation.krum_keep": between(1, 1e5, integer=True, optional=True),
     "execution.strategy": one_of(STRATEGIES),
     "execution.block_size": between(1, 1e5, integer=True, optional=True),
     "eval.every": between(1, 1e6, integer=True),

@@ -90,7 +90,12 @@ def test_a_signal_ends_in_one_line_and_the_run_resumes_exactly(tmp_path, sig, st
             break
         time.sleep(0.05)
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=120)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:  # ignored the signal: leave no run behind
+        proc.kill()
+        proc.communicate()
+        raise
     lines = [line for line in err.splitlines() if line.strip()]
     assert proc.returncode == status, err
     assert len(lines) == 1 and re.match(r"error: interrupted in round (\d+); rounds 1-\d+ are "

@@ -8,8 +8,9 @@ from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.fedprox import fedprox
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.registry import ALGORITHMS, from_config, server_optimizer
+from fedjax_pan.engine.robust import geometric_median, multi_krum
 
 __all__ = ["Aggregator", "ClientContext", "FederatedAlgorithm", "RoundInfo", "median",
            "no_client_state", "tree_bytes", "trimmed_mean", "weighted_mean", "weighted_sum",
            "fed2", "fedavg", "fedprox", "client_optimizer", "server_optimizer", "ALGORITHMS",
-           "from_config"]
+           "from_config", "multi_krum", "geometric_median"]

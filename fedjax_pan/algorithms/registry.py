@@ -7,7 +7,7 @@ neither knows any algorithm's options.
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import flax.linen as nn
 import optax
@@ -31,9 +31,11 @@ from fedjax_pan.algorithms.perfedavg import ENTRY as PERFEDAVG
 from fedjax_pan.algorithms.personal import ENTRIES as PERSONAL
 from fedjax_pan.algorithms.pfedme import ENTRY as PFEDME
 from fedjax_pan.algorithms.scaffold import ENTRY as SCAFFOLD
+from fedjax_pan.engine import robust
+from fedjax_pan.engine.simulation import clients_per_round
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
-AGGREGATION_RULES = ("mean", "median", "trimmed_mean")
+AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "multi_krum", "geometric_median")
 
 
 def server_optimizer(name: str, learning_rate: float, momentum: float = 0.0,
@@ -73,12 +75,18 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
 }
 
 
-def aggregator(rule: str, trim: float) -> core.Aggregator:
-    """The aggregation rule `config.aggregation.rule` names."""
+def aggregator(rule: str, trim: float = 0.1, byzantine: int = 0,
+               keep: Optional[int] = None) -> core.Aggregator:
+    """The aggregation rule `config.aggregation.rule` names (`trim`: trimmed_mean's share
+    cut at each end; `byzantine`, `keep`: Multi-Krum's f and m)."""
     if rule == "median":
         return core.median()
     if rule == "trimmed_mean":
         return core.trimmed_mean(trim)
+    if rule == "multi_krum":
+        return robust.multi_krum(byzantine, keep)
+    if rule == "geometric_median":
+        return robust.geometric_median()
     if rule == "mean":
         return core.weighted_mean
     raise ValueError(f"unknown aggregation rule {rule!r}; expected one of {AGGREGATION_RULES}")
@@ -120,5 +128,16 @@ def from_config(model: nn.Module, cfg: Any, public: Any = None) -> FederatedAlgo
         if algorithm.aggregator is not core.weighted_mean:
             raise ValueError(f"{cfg.algorithm} aggregates its outputs its own way; "
                              f"aggregation.rule must be 'mean', got {rule!r}")
-        algorithm = algorithm._replace(aggregator=aggregator(rule, cfg.aggregation.trim))
+        agg = cfg.aggregation
+        if rule == "multi_krum":
+            m = clients_per_round(cfg.participation, cfg.partition.num_clients)
+            keep = m - agg.byzantine if agg.krum_keep is None else agg.krum_keep
+            if m <= agg.byzantine + 2 or not 1 <= keep <= m:
+                raise ValueError(
+                    f"multi_krum scores each client by its {m} - f - 2 nearest of the {m} "
+                    f"clients a round and averages m of them: needs {m} > f + 2 and "
+                    f"1 <= m <= {m}, got f = aggregation.byzantine = {agg.byzantine}, "
+                    f"m = aggregation.krum_keep = {agg.krum_keep}")
+        algorithm = algorithm._replace(aggregator=aggregator(rule, agg.trim, agg.byzantine,
+                                                             agg.krum_keep))
     return algorithm

@@ -1,0 +1,118 @@
+"""Robust aggregation rules: Krum and Multi-Krum on a hand-solved set, the geometric median
+against a plain NumPy Weiszfeld (RFA's loop) and against sets whose median is known, and
+the rules from a config."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pan.engine import robust
+
+# Five clients on a line, 0, 1, 2 near each other and 10, 11 far off; the output is a
+# tree of two leaves (the coordinate split 1 + 1 with a zero second part) so distances
+# must add over leaves.
+POINTS = np.array([0.0, 1.0, 2.0, 10.0, 11.0])
+
+
+def _tree(values):
+    v = jnp.asarray(values, jnp.float32)
+    return {"a": v[:, None], "b": {"c": jnp.zeros((len(values), 2, 2))}}
+
+
+def test_krum_scores_and_choice_by_hand():
+    # f = 1: each client sums its 5 - 1 - 2 = 2 nearest squared distances.
+    # 0: 1 + 4; 1: 1 + 1; 2: 1 + 4; 10: 1 + 64; 11: 1 + 81.
+    np.testing.assert_allclose(robust.krum_scores(_tree(POINTS), 1), [5, 2, 5, 65, 82])
+    w = jnp.asarray([3.0, 1.0, 1.0, 1.0, 1.0]) / 7
+    krum = robust.multi_krum(1, keep=1).finalize(_tree(POINTS), w)
+    np.testing.assert_allclose(krum["a"], [1.0])  # the best-scored client alone
+    # m = 3 keeps 0, 1, 2 and averages them with their weights renormalised: 3:1:1.
+    multi = robust.multi_krum(1, keep=3).finalize(_tree(POINTS), w)
+    np.testing.assert_allclose(multi["a"], [(0 * 3 + 1 + 2) / 5], rtol=1e-6)
+    np.testing.assert_array_equal(multi["b"]["c"], np.zeros((2, 2)))
+    # The default m = M - f = 4 drops the worst (11) only.
+    default = robust.multi_krum(1).finalize(_tree(POINTS), w)
+    np.testing.assert_allclose(default["a"], [(0 * 3 + 1 + 2 + 10) / 6], rtol=1e-6)
+
+
+def test_multi_krum_without_byzantine_clients_is_the_weighted_mean():
+    rng = np.random.default_rng(0)
+    outs = {"w": jnp.asarray(rng.normal(size=(6, 3, 4)), jnp.float32)}
+    w = jnp.asarray(rng.uniform(0.5, 2.0, size=6), jnp.float32)
+    got = robust.multi_krum(0).finalize(outs, w / jnp.sum(w))
+    want = np.tensordot(np.asarray(w / jnp.sum(w)), np.asarray(outs["w"]), axes=1)
+    np.testing.assert_allclose(got["w"], want, rtol=1e-5, atol=1e-6)
+
+
+def test_multi_krum_refuses_too_few_clients():
+    with pytest.raises(ValueError, match="more than f \\+ 2 clients"):
+        robust.multi_krum(3).finalize(_tree(POINTS), jnp.full(5, 0.2))
+    with pytest.raises(ValueError, match="f >= 0"):
+        robust.multi_krum(-1)
+
+
+def _weiszfeld_numpy(points, alphas, maxiter=4, eps=1e-5, ftol=1e-6):
+    """RFA's `geometric_median` (krishnap25/RFA), written out in NumPy float64."""
+    alphas = np.asarray(alphas, np.float64) / np.sum(alphas)
+
+    def objective(v):
+        return sum(a * np.linalg.norm(v - p) for a, p in zip(alphas, points))
+    median = np.tensordot(alphas, points, axes=1)
+    obj = objective(median)
+    for _ in range(maxiter):
+        prev = obj
+        weights = np.asarray([a / max(eps, np.linalg.norm(median - p))
+                              for a, p in zip(alphas, points)])
+        median = np.tensordot(weights / weights.sum(), points, axes=1)
+        obj = objective(median)
+        if abs(prev - obj) < ftol * obj:
+            break
+    return median
+
+
+@pytest.mark.parametrize("maxiter,ftol", [(4, 1e-6), (50, 0.0), (50, 1e-3)])
+def test_geometric_median_against_rfas_loop(maxiter, ftol):
+    rng = np.random.default_rng(1)
+    points = rng.normal(size=(7, 5))
+    points[6] += 40.0  # an outlier
+    alphas = rng.integers(50, 500, size=7).astype(np.float64)
+    tree = {"x": jnp.asarray(points[:, :2], jnp.float32),
+            "y": jnp.asarray(points[:, 2:].reshape(7, 3, 1), jnp.float32)}
+    got = robust.geometric_median(maxiter, 1e-5, ftol).finalize(
+        tree, jnp.asarray(alphas / alphas.sum(), jnp.float32))
+    want = _weiszfeld_numpy(points, alphas, maxiter, 1e-5, ftol)
+    flat = np.concatenate([np.ravel(got["x"]), np.ravel(got["y"])])
+    np.testing.assert_allclose(flat, want, rtol=1e-4, atol=1e-5)
+    mean = np.tensordot(alphas / alphas.sum(), points, axes=1)
+    assert np.linalg.norm(flat - np.median(points[:6], axis=0)) < 0.5 * np.linalg.norm(
+        mean - np.median(points[:6], axis=0))  # the outlier pulls the mean, not the median
+
+
+def test_geometric_median_of_known_sets():
+    # Symmetric about c: the median is c.
+    c = np.array([1.0, -2.0, 0.5])
+    offsets = np.array([[1, 0, 0], [-1, 0, 0], [0, 3, 0], [0, -3, 0], [0, 0, 2], [0, 0, -2]])
+    sym = {"v": jnp.asarray(c + offsets, jnp.float32)}
+    got = robust.geometric_median().finalize(sym, jnp.full(6, 1 / 6))
+    np.testing.assert_allclose(got["v"], c, atol=1e-5)
+    # Three points on a line, one far off: the median is the middle point (Weiszfeld
+    # converges to it; the mean sits at 33.7).
+    line = {"v": jnp.asarray([[0.0], [1.0], [100.0]], jnp.float32)}
+    got = robust.geometric_median(maxiter=100, ftol=0.0).finalize(line, jnp.full(3, 1 / 3))
+    assert abs(float(got["v"][0]) - 1.0) < 1e-2
+
+
+def test_rules_from_a_config_run_and_bad_ones_are_named():
+    from fedjax_pan import experiment
+    from fedjax_pan.errors import ConfigError
+    from test_experiment import config
+    for rule in ("multi_krum", "geometric_median"):
+        exp = experiment.build(config(rounds=1, aggregation__rule=rule,
+                                      aggregation__byzantine=1))
+        state, stats = exp.simulation.round(exp.simulation.init(exp.variables))
+        assert np.isfinite(stats["train_loss"])
+        assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(state.server))
+    # The smoke preset samples 4 of 20 clients: Krum needs 4 > f + 2.
+    with pytest.raises(ConfigError, match="aggregation.byzantine = 2"):
+        experiment.build(config(aggregation__rule="multi_krum", aggregation__byzantine=2))
