@@ -22,7 +22,8 @@ from fedjax_pan.data.partition import SCHEMES
 from fedjax_pan.data.sources import DATASETS, GROUPED_DATASETS, NORMALIZATIONS
 from fedjax_pan.engine.clients import AUGMENTS, STEP_MODES
 from fedjax_pan.engine.execution import STRATEGIES
-from fedjax_pan.engine.simulation import AGGREGATIONS
+from fedjax_pan.engine.robust import krum_kept
+from fedjax_pan.engine.simulation import AGGREGATIONS, clients_per_round
 from fedjax_pan.errors import ConfigError, require
 from fedjax_pan.models.layers import parse_norm
 from fedjax_pan.pan import KINDS
@@ -168,6 +169,16 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
     for name, overrides in (cfg.get("variants") or {}).items():
         require(isinstance(overrides, (dict, ml_collections.ConfigDict)),
                 f"config.variants.{name} must map config keys to values, got {overrides!r}")
+    agg = cfg.aggregation
+    if agg.rule == "multi_krum":
+        m = clients_per_round(cfg.participation, p.num_clients)
+        try:
+            krum_kept(m, agg.byzantine, agg.krum_keep)
+        except ValueError as e:
+            raise ConfigError(f"config.aggregation.rule='multi_krum' with "
+                              f"aggregation.byzantine = {agg.byzantine} and "
+                              f"aggregation.krum_keep = {agg.krum_keep} ({m} clients a "
+                              f"round): {e}") from None
     entry = ALGORITHMS[cfg.algorithm]
     # Without a test part per client, a personalised algorithm's models are never scored:
     # its run would report an untrained or a FedAvg model under its name.

@@ -79,10 +79,7 @@ def client_optimizer(learning_rate: float, momentum: float = 0.9, weight_decay: 
     if weight_decay:
         parts.append(optax.add_decayed_weights(weight_decay))
     parts.append(optax.sgd(learning_rate, momentum=momentum or None))
-    if warmup != "none" and warmup_length > 0:  # else skip a pass over the parameters
-        parts.append(scale_by_warmup(warmup, warmup_length))
-    elif warmup not in WARMUPS:
-        raise ValueError(f"unknown warmup {warmup!r}; expected one of {WARMUPS}")
+    parts.append(scale_by_warmup(warmup, warmup_length))  # no warm-up: the identity
     return optax.chain(*parts)
 
 

@@ -32,7 +32,6 @@ from fedjax_pan.algorithms.personal import ENTRIES as PERSONAL
 from fedjax_pan.algorithms.pfedme import ENTRY as PFEDME
 from fedjax_pan.algorithms.scaffold import ENTRY as SCAFFOLD
 from fedjax_pan.engine import robust
-from fedjax_pan.engine.simulation import clients_per_round
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
 AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "multi_krum", "geometric_median")
@@ -129,15 +128,6 @@ def from_config(model: nn.Module, cfg: Any, public: Any = None) -> FederatedAlgo
             raise ValueError(f"{cfg.algorithm} aggregates its outputs its own way; "
                              f"aggregation.rule must be 'mean', got {rule!r}")
         agg = cfg.aggregation
-        if rule == "multi_krum":
-            m = clients_per_round(cfg.participation, cfg.partition.num_clients)
-            keep = m - agg.byzantine if agg.krum_keep is None else agg.krum_keep
-            if m <= agg.byzantine + 2 or not 1 <= keep <= m:
-                raise ValueError(
-                    f"multi_krum scores each client by its {m} - f - 2 nearest of the {m} "
-                    f"clients a round and averages m of them: needs {m} > f + 2 and "
-                    f"1 <= m <= {m}, got f = aggregation.byzantine = {agg.byzantine}, "
-                    f"m = aggregation.krum_keep = {agg.krum_keep}")
         algorithm = algorithm._replace(aggregator=aggregator(rule, agg.trim, agg.byzantine,
                                                              agg.krum_keep))
     return algorithm

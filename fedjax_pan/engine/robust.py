@@ -39,17 +39,28 @@ def pairwise_sq_distances(outputs: PyTree) -> jax.Array:
     return sum(leaf(x) for x in jax.tree_util.tree_leaves(outputs))
 
 
+def krum_kept(clients: int, byzantine: int, keep: Optional[int] = None) -> int:
+    """How many of a round's `clients` Multi-Krum averages (`keep`; None: clients - f).
+    ValueError unless clients > f + 2 (each is scored on its clients - f - 2 nearest) and
+    1 <= m <= clients."""
+    if clients <= byzantine + 2:
+        raise ValueError(f"Krum needs more than f + 2 clients a round: {clients} clients, "
+                         f"f = {byzantine}")
+    kept = clients - byzantine if keep is None else keep
+    if not 1 <= kept <= clients:
+        raise ValueError(f"Multi-Krum averages m of the {clients} clients a round, "
+                         f"1 <= m <= {clients}: got m = {kept}")
+    return kept
+
+
 def krum_scores(outputs: PyTree, byzantine: int) -> jax.Array:
     """(M,) Krum scores: each client's summed squared distance to its M - f - 2 nearest
     other clients."""
     m = jax.tree_util.tree_leaves(outputs)[0].shape[0]
-    nearest = m - byzantine - 2
-    if nearest < 1:
-        raise ValueError(f"Krum needs more than f + 2 clients a round: {m} clients, "
-                         f"f = {byzantine}")
+    krum_kept(m, byzantine)
     d = pairwise_sq_distances(outputs)
     d = jnp.where(jnp.eye(m, dtype=bool), jnp.inf, d)  # a client is not its own neighbour
-    return jnp.sum(jnp.sort(d, axis=1)[:, :nearest], axis=1)
+    return jnp.sum(jnp.sort(d, axis=1)[:, :m - byzantine - 2], axis=1)
 
 
 def _weighted_mean(outputs: PyTree, weights: jax.Array) -> PyTree:
@@ -65,10 +76,7 @@ def multi_krum(byzantine: int, keep: Optional[int] = None) -> Aggregator:
                          f"m = {keep}")
 
     def finalize(outputs, weights):
-        m = jax.tree_util.tree_leaves(outputs)[0].shape[0]
-        k = m - byzantine if keep is None else keep
-        if not 1 <= k <= m:
-            raise ValueError(f"multi_krum keeps m = {k} of {m} clients a round")
+        k = krum_kept(jax.tree_util.tree_leaves(outputs)[0].shape[0], byzantine, keep)
         chosen = jnp.argsort(krum_scores(outputs, byzantine))[:k]
         return _weighted_mean(tree_map(lambda x: x[chosen], outputs), weights[chosen])
     return Aggregator(finalize, stacked=True)
@@ -90,18 +98,21 @@ def geometric_median(maxiter: int = 4, eps: float = 1e-5, ftol: float = 1e-6) ->
     def finalize(outputs, weights):
         alpha = weights / jnp.sum(weights)
         v = _weighted_mean(outputs, alpha)
-        obj = jnp.sum(alpha * _distances(v, outputs))
+        d = _distances(v, outputs)  # one pass over the outputs per iteration: reused below
+        obj = jnp.sum(alpha * d)
         done = jnp.zeros((), bool)
         for _ in range(maxiter):  # a handful: unrolled; converged iterations change nothing
-            beta = alpha / jnp.maximum(eps, _distances(v, outputs))
-            new_v = _weighted_mean(outputs, beta)
-            new_obj = jnp.sum(alpha * _distances(new_v, outputs))
-            v = tree_map(lambda a, b: jnp.where(done, a, b), v, new_v)
+            new_v = _weighted_mean(outputs, alpha / jnp.maximum(eps, d))
+            new_d = _distances(new_v, outputs)
+            new_obj = jnp.sum(alpha * new_d)
+            keep_old = lambda a, b: jnp.where(done, a, b)  # noqa: E731
+            v, d = tree_map(keep_old, v, new_v), keep_old(d, new_d)
             converged = jnp.abs(obj - new_obj) < ftol * new_obj
-            obj = jnp.where(done, obj, new_obj)
+            obj = keep_old(obj, new_obj)
             done = done | converged
         return v
     return Aggregator(finalize, stacked=True)
 
 
-__all__ = ["multi_krum", "geometric_median", "krum_scores", "pairwise_sq_distances"]
+__all__ = ["multi_krum", "geometric_median", "krum_kept", "krum_scores",
+           "pairwise_sq_distances"]
