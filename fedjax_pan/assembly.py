@@ -15,12 +15,15 @@ import numpy as np
 
 from fedjax_pan import algorithms, models, permutation, schema
 from fedjax_pan import data as data_lib
+from fedjax_pan.algorithms import attacks
+from fedjax_pan.algorithms.attacks import add_pattern
 from fedjax_pan.algorithms.shuffle import with_shuffling
 from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, clients_per_round,
                                count_compiles, make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.evaluation import make_client_evaluator
 from fedjax_pan.engine.protocol import Round
 from fedjax_pan.engine.services import Services
+from fedjax_pan.engine.timing import Stragglers
 from fedjax_pan.errors import ConfigError, require
 
 __all__ = ["Experiment", "validate", "build", "build_counted", "make_round", "load_dataset",
@@ -41,6 +44,9 @@ class Experiment:
     # Each client scored on its own test part (partition.test_fraction > 0), else None.
     client_evaluate: Any = None
     test_indices: Optional[List[np.ndarray]] = None
+    # Further evaluators of the global model, logged as their accuracy under their name
+    # (a backdoor's success rate).
+    probes: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
@@ -205,26 +211,41 @@ def build(cfg: ml_collections.ConfigDict,
                  "test_indices": test_parts}
     strategy = resolve_strategy(cfg.execution.strategy, variables)
     public = train_x[public_rows] if len(public_rows) else None
-    simulation = make_round(cfg, model, variables, client_data, work, public)
-    return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy, **local)
+    public_labels = np.asarray(ds.train_labels)[public_rows] if len(public_rows) else None
+    simulation = make_round(cfg, model, variables, client_data, work, public, public_labels,
+                            local.get("client_evaluate"))
+    probes = {}
+    if cfg.attack.kind == "backdoor":
+        # The attack's success: test images of the other classes, patterned, scored
+        # against the target label.
+        others = np.asarray(ds.test_labels) != cfg.attack.target
+        probes["backdoor_success"] = make_evaluator(
+            model, add_pattern(test_x[others]), np.full(int(others.sum()), cfg.attack.target),
+            cfg.eval.batch_size, ds.num_classes)
+    return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy,
+                      probes=probes, **local)
 
 
 def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
-               client_data: ClientData, work: LocalWork, public: Any = None) -> Round:
+               client_data: ClientData, work: LocalWork, public: Any = None,
+               public_labels: Any = None, client_evaluate: Any = None) -> Round:
     """The round `cfg.algorithm` runs on `client_data`: the algorithm's own driver where it
     gives one for this config (FedMA; KT-pFL in the paper's order or over several
     architectures), else a
-    `Simulation` of its compiled round (with Alg. 2's shuffling where `cfg.shuffle` asks),
-    executed as `cfg.execution` says. Config errors raise ConfigError."""
+    `Simulation` of its compiled round (with Alg. 2's shuffling where `cfg.shuffle` asks,
+    `cfg.attack`'s malicious clients and `cfg.straggler`'s late ones), executed as
+    `cfg.execution` says. Config errors raise ConfigError."""
     entry = algorithms.ALGORITHMS[cfg.algorithm]
     try:
         services = Services(client_data, work, cfg.participation, cfg.seed,
                             cfg.execution.strategy, cfg.execution.block_size)
+        needs = {"public_labels": public_labels, "client_evaluate": client_evaluate}
         simulation = None if entry.driver is None else entry.driver(
             model, cfg, algorithms.registry.client_tx(cfg), services,
-            **({"public": public} if entry.public else {}))
+            **({"public": public} if entry.public else {}),
+            **{name: needs[name] for name in entry.driver_needs})
         algorithm = None if simulation is not None else algorithms.from_config(
-            model, cfg, public=public)
+            model, cfg, public=public, public_labels=public_labels)
         if algorithm is not None:
             # Options checked against the model's layers fail here, not in round 1.
             jax.eval_shape(lambda v: algorithm.client_state_init(algorithm.server_init(v)),
@@ -236,8 +257,14 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
         if not isinstance(simulation, Round):
             raise TypeError(f"{cfg.algorithm}'s driver {type(simulation).__name__} lacks "
                             f"engine.protocol.Round's members")
-        require(cfg.shuffle.n_sf == 0, f"config.shuffle.n_sf > 0 (Alg. 2) is not available "
-                f"with algorithm {cfg.algorithm!r} as configured: set shuffle.n_sf=0")
+        # A driver that puts the config's attackers among its clients says so (Siren).
+        attacks_handled = getattr(simulation, "handles_attacks", False)
+        for key, off in (("shuffle.n_sf", cfg.shuffle.n_sf == 0),
+                         ("straggler.max_delay", cfg.straggler.max_delay == 0),
+                         ("attack.kind", cfg.attack.kind == "none" or attacks_handled)):
+            require(off, f"config.{key} is not available with algorithm {cfg.algorithm!r} "
+                    f"as configured (its rounds run on its own driver): leave it at its "
+                    f"default")
         return simulation
     if cfg.shuffle.n_sf > 0:
         num_classes = int(client_data.label_counts.shape[1])
@@ -245,6 +272,20 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
         spec = permutation.spec_for(model, variables)
         algorithm = with_shuffling(algorithm, spec, cfg.shuffle.p_sf, cfg.shuffle.n_sf,
                                    cfg.shuffle.window)
+    num_classes = int(client_data.label_counts.shape[1])
+    needs_view = cfg.attack.kind in attacks.MODEL_ATTACKS or algorithm.aggregator.space == "model"
+    if needs_view:
+        _check_model_view(algorithm, variables, num_classes, cfg)
+    try:
+        algorithm = algorithms.registry.attack_from_config(algorithm, cfg,
+                                                          client_data.num_clients, num_classes)
+    except ValueError as e:
+        raise ConfigError(f"config.attack: {e}") from None
+    own_stacked = (algorithm.aggregator.stacked and cfg.aggregation.rule == "mean")
+    require(cfg.straggler.max_delay == 0 or not own_stacked,
+            f"config.straggler.max_delay > 0 needs an aggregation that can leave out outputs "
+            f"not yet arrived, and {cfg.algorithm!r} aggregates its own way: set "
+            f"straggler.max_delay=0")
     try:
         executor = make_executor(resolve_strategy(cfg.execution.strategy, variables),
                                  algorithm, work, client_data, variables,
@@ -252,8 +293,30 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                                  cfg.execution.block_size)
     except ValueError as e:
         raise ConfigError(f"config.execution: {e}") from None
+    st = cfg.straggler
+    stragglers = Stragglers(st.max_delay, st.policy, st.delays, st.slow_share, st.wait_share)
     return Simulation(algorithm, client_data, work, executor, cfg.participation,
-                      cfg.aggregation.weights, cfg.seed)
+                      cfg.aggregation.weights, cfg.seed, stragglers=stragglers)
+
+
+def _check_model_view(algorithm: Any, variables: Any, num_classes: int,
+                      cfg: ml_collections.ConfigDict) -> None:
+    """ConfigError unless the algorithm's outputs stand for models (`model_view`): what
+    the configured attack or aggregation rule changes or combines."""
+    what = (f"attack.kind={cfg.attack.kind!r}" if cfg.attack.kind in attacks.MODEL_ATTACKS
+            else f"aggregation.rule={cfg.aggregation.rule!r}")
+    ctx = algorithms.ClientContext(jax.random.PRNGKey(0), jnp.int32(1), jnp.int32(1),
+                                   jnp.int32(0), jnp.int32(0), jnp.zeros(num_classes))
+    view = algorithm.model_view
+    try:
+        require(view is not None, "")
+        server = jax.eval_shape(algorithm.server_init, variables)
+        output = jax.eval_shape(lambda s: algorithm.client_output(algorithm.client_init(
+            s, algorithm.client_state_init(s), ctx), s)[0], server)
+        jax.eval_shape(view.to_model, server, output)
+    except (TypeError, ConfigError):
+        raise ConfigError(f"config.{what} needs clients that send a model or an update, "
+                          f"and {cfg.algorithm!r} sends neither") from None
 
 
 def build_counted(cfg: ml_collections.ConfigDict,

@@ -49,9 +49,31 @@ def default_config() -> ml_collections.ConfigDict:
     # of the clients at each end, per coordinate), 'multi_krum' (tolerating `byzantine`
     # clients a round, averaging the `krum_keep` best; None: all but `byzantine`) or
     # 'geometric_median' (RFA), each over the round's outputs (engine/robust.py).
-    c.aggregation = ml_collections.ConfigDict({"weights": "uniform", "bn": "mean",
-                                               "rule": "mean", "trim": 0.1, "byzantine": 0,
-                                               "krum_keep": placeholder(int)})
+    # Model-space rules on the server's held-out public set (dataset.public_size, 1,000
+    # by default): 'zeno' (keep all but `byzantine` by descent on it, less rho times the
+    # squared step), 'sageflow' (entropy filter, loss weights, staleness groups; gamma
+    # halves every gamma_period rounds when clients can be late) and 'fedasync' (mixing
+    # weight times s(staleness), s polynomial, hinge or constant) (engine/staleness.py).
+    c.aggregation = ml_collections.ConfigDict({
+        "weights": "uniform", "bn": "mean", "rule": "mean", "trim": 0.1, "byzantine": 0,
+        "krum_keep": placeholder(int),
+        "zeno": {"rho": 5e-4},
+        "sageflow": {"entropy_threshold": 1.0, "delta": 1.0, "lam": 0.5,
+                     "gamma_period": 20},
+        "fedasync": {"mixing": 0.6, "staleness": "polynomial", "a": 0.5, "b": 4.0}})
+    # Clients that answer late (engine/timing.py): delays uniform over {0..max_delay}, or
+    # 'slow': a slow_share of the clients always max_delay late; the server waits for
+    # all, waits for wait_share, ignores late outputs, or uses them stale. 0: none.
+    c.straggler = ml_collections.ConfigDict({"max_delay": 0, "delays": "uniform",
+                                             "slow_share": 0.2, "policy": "stale",
+                                             "wait_share": 0.5})
+    # Malicious clients (algorithms/attacks.py): `fraction` of them, drawn once per seed,
+    # from round start_round; scale unset: the kind's default (model_poisoning 0.1,
+    # sign_flip 4, gaussian 1, backdoor's boost 10); backdoor: `poisoned` of each batch
+    # carry the pattern and label `target`.
+    c.attack = ml_collections.ConfigDict({"kind": "none", "fraction": 0.2, "start_round": 0,
+                                          "scale": placeholder(float), "target": 2,
+                                          "poisoned": 20 / 64})
     c.execution = ml_collections.ConfigDict({"strategy": "auto",
                                              "block_size": placeholder(int)})
     # local: also log each client's expected accuracy on a test set with its label mix.

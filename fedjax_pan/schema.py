@@ -24,6 +24,9 @@ from fedjax_pan.engine.clients import AUGMENTS, STEP_MODES
 from fedjax_pan.engine.execution import STRATEGIES
 from fedjax_pan.engine.robust import krum_kept
 from fedjax_pan.engine.simulation import AGGREGATIONS, clients_per_round
+from fedjax_pan.engine.staleness import FEDASYNC_KINDS
+from fedjax_pan.engine.timing import DELAYS, POLICIES
+from fedjax_pan.algorithms.attacks import ATTACKS
 from fedjax_pan.errors import ConfigError, require
 from fedjax_pan.models.layers import parse_norm
 from fedjax_pan.pan import KINDS
@@ -92,6 +95,26 @@ RULES: Dict[str, Rule] = {
     "aggregation.trim": between(0, 0.5, hi_open=True),
     "aggregation.byzantine": between(0, 1e5, integer=True),
     "aggregation.krum_keep": between(1, 1e5, integer=True, optional=True),
+    "aggregation.zeno.rho": between(0, 1e4),
+    "aggregation.sageflow.entropy_threshold": between(1e-6, 100, lo_open=False),
+    "aggregation.sageflow.delta": between(0, 10),
+    "aggregation.sageflow.lam": between(0, 10),
+    "aggregation.sageflow.gamma_period": between(0, 1e6, integer=True),
+    "aggregation.fedasync.mixing": between(0, 1, lo_open=True),
+    "aggregation.fedasync.staleness": one_of(FEDASYNC_KINDS),
+    "aggregation.fedasync.a": between(0, 100),
+    "aggregation.fedasync.b": between(0, 1e6),
+    "straggler.max_delay": between(0, 100, integer=True),
+    "straggler.delays": one_of(DELAYS),
+    "straggler.slow_share": between(0, 1),
+    "straggler.policy": one_of(POLICIES),
+    "straggler.wait_share": between(0, 1, lo_open=True),
+    "attack.kind": one_of(ATTACKS),
+    "attack.fraction": between(0, 1),
+    "attack.start_round": between(0, 1e6, integer=True),
+    "attack.scale": between(0, 1e4, optional=True),
+    "attack.target": between(0, 1e5, integer=True),
+    "attack.poisoned": between(0, 1),
     "execution.strategy": one_of(STRATEGIES),
     "execution.block_size": between(1, 1e5, integer=True, optional=True),
     "eval.every": between(1, 1e6, integer=True),

@@ -172,9 +172,8 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             # The checkpoint's own record of the rows: metrics.jsonl may end in a line a
             # crash cut.
             tree, counters, rows = ckpt.restore(
-                ckpt.latest(), (state.server, state.client_states),
-                saved_shapes=exp.simulation.shapes_change)
-            state = SimState(*tree, ckpt.latest())
+                ckpt.latest(), state.saved(), saved_shapes=exp.simulation.shapes_change)
+            state = SimState.restored(tree, ckpt.latest())
             last_saved = state.round
         run = _Run(counters, exp.setup_compiles)
         if rows is None:
@@ -190,7 +189,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             nonlocal last_saved, saved_totals
             totals = run.totals()
             with workdir_lib.writing(f"the checkpoint of round {s.round}", safe):
-                ckpt.save(s.round, (s.server, s.client_states), totals,
+                ckpt.save(s.round, s.saved(), totals,
                           [r for r in rows if r["round"] <= s.round])
             last_saved, saved_totals = s.round, totals
 
@@ -228,7 +227,11 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                                "upload_bytes": stats["upload_bytes"],
                                **({"download_bytes": stats["download_bytes"]}
                                   if "download_bytes" in stats else {}),
+                               # simulated time and arrivals (stragglers: engine/timing.py)
+                               **{k: v for k, v in stats.items() if k.startswith("sim_")},
                                "seconds": time.time() - t0}
+                        for name, probe in exp.probes.items():
+                            row[name] = probe(evaluated, net)["accuracy"]
                         if exp.client_evaluate is not None:
                             row.update(evaluate_clients(exp, new_state, net, evaluated))
                         if cfg.eval.local:

@@ -73,9 +73,12 @@ def _engine_configs(results):
 def test_every_section_is_present(quick):
     _, results, _ = quick
     for section in ("meta", "settings", "matmul", "mlp", "padding", "vgg", "scaling",
-                    "profile", "algorithms", "grouped_conv", "throughput", "compiles", "memory",
-                    "targets", "total_seconds"):
+                    "profile", "algorithms", "defences", "grouped_conv", "throughput",
+                    "compiles", "memory", "targets", "total_seconds"):
         assert section in results, section
+    from benchmarks.sections.defences import RULES
+    for rows in results["defences"]["per_round"].values():
+        assert set(rows) == set(RULES) and rows["mean (FedAvg)"]["vs_fedavg"] == 1.0
     from fedjax_pan.algorithms import ALGORITHMS
     algos = results["algorithms"]["algorithms"]
     drivers = results["algorithms"]["drivers"]

@@ -640,3 +640,54 @@ def test_ctrl_c_while_a_curve_is_drawn_finishes_it_first(tmp_path, monkeypatch, 
     assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress",
                               "--resume"]) == 0
     assert os.path.getsize(os.path.join(run, "curve.png")) > 1000
+
+
+def test_robustness_configs_and_table_by_hand():
+    """Every run of the long presets is a valid config with what its scenario names; the
+    time to target and the summary are worked out by hand."""
+    from experiments import robustness
+    from fedjax_pan import experiment
+    for preset in ("cpu", "paper", "smoke"):
+        s = robustness.PRESETS[preset]
+        for job in robustness.jobs(s):
+            cfg = robustness.run_config(s, job)
+            experiment.validate(cfg)
+            assert (cfg.straggler.max_delay > 0) == (job.scenario in ("stragglers", "both"))
+            assert (cfg.attack.kind != "none") == (job.attack != "none")
+    s = robustness.PRESETS["cpu"]
+    names = [(j.scenario, j.attack, j.method) for j in robustness.jobs(s) if j.seed == 0]
+    # Krum cannot run with 8 of 10 clients malicious (it needs n > f + 2): left out.
+    assert ("byzantine", "sign_flip_80", "krum") not in names
+    assert ("byzantine", "sign_flip_40", "krum") in names
+    assert ("byzantine", "label_flip_80", "siren") in names
+    job = robustness.Job("adversaries", "model", "multi_krum", 0)
+    assert robustness.run_config(s, job).aggregation.byzantine == 4  # 20% of 20 a round
+    curve = [{"round": 1, "test_accuracy": 0.3, "sim_time": 3.0},
+             {"round": 2, "test_accuracy": 0.65, "sim_time": 5.0},
+             {"round": 3, "test_accuracy": 0.62, "sim_time": 6.0}]
+    assert robustness.time_to(curve, 0.6) == 5.0
+    assert np.isnan(robustness.time_to(curve, 0.9))
+    rows = [robustness.run_row(robustness.Job("both", "data", "sageflow", seed), c, False, 0.6)
+            for seed, c in ((0, curve), (1, [dict(r, test_accuracy=0.5) for r in curve]))]
+    (rec,) = robustness.summarize(rows)
+    assert rec["accuracy"] == pytest.approx((np.mean([0.3, 0.65, 0.62]) + 0.5) / 2)
+    assert rec["time_to_target"] == 5.0 and rec["reached"] == 1
+
+
+@pytest.mark.slow  # about 80 s
+def test_robustness_smoke_writes_its_table(tmp_path):
+    from experiments import robustness
+    out = str(tmp_path / "r")
+    assert robustness.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    table = common.read_csv(os.path.join(out, "robustness.csv"))
+    scenarios = {r["scenario"] for r in table}
+    assert scenarios == {"stragglers", "adversaries", "both", "byzantine"}
+    for r in table:
+        curve = common.read_curve(os.path.join(out, "runs", f"{r['scenario']}_{r['attack']}_"
+                                                         f"{r['method']}_s0"))
+        assert float(r["accuracy"]) == pytest.approx(
+            np.mean([c["test_accuracy"] for c in curve[-5:]]))
+        if r["scenario"] in ("stragglers", "both"):
+            assert all("sim_time" in c for c in curve)
+    for name in ("robustness.png", "robustness_curves.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 10_000

@@ -116,3 +116,62 @@ def test_rules_from_a_config_run_and_bad_ones_are_named():
     # The smoke preset samples 4 of 20 clients: Krum needs 4 > f + 2.
     with pytest.raises(ConfigError, match="aggregation.byzantine = 2"):
         experiment.build(config(aggregation__rule="multi_krum", aggregation__byzantine=2))
+
+
+@pytest.mark.parametrize("name", ["median", "trimmed_mean", "multi_krum", "geometric_median"])
+def test_empty_slots_are_ignored(name):
+    # Slots of outputs not arrived weigh 0 and hold anything (here huge values): the rule
+    # gives what it gives on the present outputs alone.
+    from fedjax_pan.engine.protocol import median, trimmed_mean
+    rule = {"median": median(), "trimmed_mean": trimmed_mean(0.2),
+            "multi_krum": robust.multi_krum(1), "geometric_median": robust.geometric_median()}[name]
+    rng = np.random.default_rng(1)
+    present = {"w": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32)}
+    w = jnp.asarray(rng.uniform(0.5, 1.5, size=6), jnp.float32)
+    with_slots = {"w": jnp.concatenate([present["w"][:2], jnp.full((3, 3), 1e6),
+                                        present["w"][2:]])}
+    w_slots = jnp.concatenate([w[:2], jnp.zeros(3), w[2:]])
+    alone = rule.finalize(present, w / jnp.sum(w))
+    slots = rule.finalize(with_slots, w_slots / jnp.sum(w_slots))
+    np.testing.assert_allclose(slots["w"], alone["w"], rtol=1e-5, atol=1e-6)
+    if name == "median":  # and the median is jnp.median's to the bit
+        np.testing.assert_array_equal(alone["w"], jnp.median(present["w"], axis=0))
+
+
+def test_public_scorer_by_hand():
+    import flax.linen as nn
+
+    class Linear(nn.Module):
+        @nn.compact
+        def __call__(self, x, train=False):
+            return nn.Dense(3, use_bias=False)(x.reshape(x.shape[0], -1))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(7, 2, 1, 1)).astype(np.float32)
+    y = np.array([0, 1, 2, 0, 1, 2, 2])
+    kernel = rng.normal(size=(2, 3)).astype(np.float32)
+    logits = x.reshape(7, 2) @ kernel
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    want_loss = -logp[np.arange(7), y].mean()
+    want_entropy = -(np.exp(logp) * logp).sum(1).mean()
+    score = robust.public_scorer(Linear(), x, y, batch_size=3)  # batches 3, 3, 1 (+2 masked)
+    got = score({"params": {"Dense_0": {"kernel": jnp.asarray(kernel)}}})
+    np.testing.assert_allclose(float(got["loss"]), want_loss, rtol=1e-5)
+    np.testing.assert_allclose(float(got["entropy"]), want_entropy, rtol=1e-5)
+
+
+def test_zeno_keeps_the_models_that_descend_most_by_hand():
+    from fedjax_pan.engine.protocol import Arrivals
+    # A scorer whose loss is |w - 3| on a one-parameter model; the current model is 0.
+    score = lambda v: {"loss": jnp.abs(v["params"]["w"][0] - 3.0)}  # noqa: E731
+    models = {"params": {"w": jnp.asarray([[2.0], [3.5], [-4.0], [9.0]])}}
+    scores = {"loss": jnp.asarray([1.0, 0.5, 7.0, 6.0])}
+    current = {"params": {"w": jnp.asarray([0.0])}}
+    weights = jnp.asarray([0.25, 0.25, 0.25, 0.25])
+    arrivals = Arrivals(jnp.zeros(4, jnp.int32), scores, jnp.int32(0), current)
+    # Zeno scores with rho = 0.1: 3 - 1 - 0.4 = 1.6; 3 - 0.5 - 1.225 = 1.275;
+    # 3 - 7 - 1.6 = -5.6; 3 - 6 - 8.1 = -11.1. Keep n - b = 2: clients 0 and 1.
+    got = robust.zeno(2, 0.1, score).finalize(models, weights, arrivals)
+    np.testing.assert_allclose(got["params"]["w"], [2.75])
+    # With a large rho the step dominates: 1.6 - ... client 0 (step 4) beats 1 (12.25).
+    got = robust.zeno(3, 1.0, score).finalize(models, weights, arrivals)
+    np.testing.assert_allclose(got["params"]["w"], [2.0])

@@ -264,13 +264,13 @@ def test_personalised_algorithms_need_a_test_part_of_each_client():
 
 def test_every_algorithm_runs_on_every_shipped_preset_with_its_defaults():
     """Options that must fit the rest of the config (a phase inside local.epochs) fit
-    every preset; the personalised ones need only a test part per client."""
+    every preset; the personalised ones and Siren need only a test part per client."""
     from fedjax_pan.algorithms.registry import ALGORITHMS
     for where, cfg in _shipped_configs():
         for name, entry in ALGORITHMS.items():
             c = cfg.copy_and_resolve_references()
             c.algorithm = name
-            if entry.personal:
+            if entry.personal or "client_evaluate" in entry.driver_needs:  # (Siren)
                 c.partition.test_fraction = c.partition.test_fraction or 0.25
             try:
                 schema.validate(c)

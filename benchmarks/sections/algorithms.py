@@ -17,12 +17,21 @@ from fedjax_pan.models.grouped import GroupedConfig
 
 def _bench_round(cfg: Any, model: Any, variables: Any, w: "Workload") -> Any:
     """The round `cfg.algorithm` runs on the bench's clients, assembled as every run is
-    (`assembly.make_round`); an algorithm distilling on public data gets the first 500
-    training images."""
+    (`assembly.make_round`); an algorithm using public data gets the first 500 training
+    examples, one testing on each client's own part (Siren) the first tenth of each
+    client's rows (the speed is what is measured here, not held-out accuracy)."""
     from fedjax_pan.algorithms import registry
     from fedjax_pan.assembly import make_round
-    public = w.data.images[:500] if registry.ALGORITHMS[cfg.algorithm].public else None
-    return make_round(cfg, model, variables, w.data, w.work, public)
+    from fedjax_pan.engine.evaluation import make_client_evaluator
+    entry = registry.ALGORITHMS[cfg.algorithm]
+    public = w.data.images[:500] if entry.public else None
+    labels = np.asarray(w.data.labels)[:500] if entry.public else None
+    client_evaluate = None
+    if "client_evaluate" in entry.driver_needs:
+        table = np.asarray(w.data.index_table)
+        parts = [table[k, :max(1, int(n) // 10)] for k, n in enumerate(w.data.sizes)]
+        client_evaluate = make_client_evaluator(model, w.data.images, w.data.labels, parts)
+    return make_round(cfg, model, variables, w.data, w.work, public, labels, client_evaluate)
 
 
 def _bench_config(settings: Settings, w: "Workload", per_round: int) -> Any:

@@ -1,5 +1,6 @@
 """Federated algorithms, each a `FederatedAlgorithm` of small pure functions."""
 
+from fedjax_pan.algorithms.attacks import Attack, with_attack
 from fedjax_pan.algorithms.core import (Aggregator, ClientContext, FederatedAlgorithm, RoundInfo,
                                         median, no_client_state, tree_bytes, trimmed_mean,
                                         weighted_mean, weighted_sum)
@@ -8,9 +9,11 @@ from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.fedprox import fedprox
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.registry import ALGORITHMS, from_config, server_optimizer
-from fedjax_pan.engine.robust import geometric_median, multi_krum
+from fedjax_pan.engine.robust import geometric_median, multi_krum, zeno
+from fedjax_pan.engine.staleness import fedasync, sageflow
 
 __all__ = ["Aggregator", "ClientContext", "FederatedAlgorithm", "RoundInfo", "median",
            "no_client_state", "tree_bytes", "trimmed_mean", "weighted_mean", "weighted_sum",
            "fed2", "fedavg", "fedprox", "client_optimizer", "server_optimizer", "ALGORITHMS",
-           "from_config", "multi_krum", "geometric_median"]
+           "from_config", "multi_krum", "geometric_median", "zeno", "fedasync", "sageflow",
+           "Attack", "with_attack"]

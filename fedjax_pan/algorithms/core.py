@@ -5,7 +5,7 @@ the algorithms written against it."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 from fedjax_pan.engine.protocol import (Aggregator, ClientContext, FederatedAlgorithm,
                                         PyTree, RoundInfo, median, tree_bytes, tree_map,
@@ -45,6 +45,10 @@ class AlgorithmEntry(NamedTuple):
     # check(cfg) raises ValueError for options that conflict with the rest of the config
     # (checked with the schema, before any data loads).
     check: Optional[Callable[[Any], None]] = None
+    # Further keyword arguments its driver takes from the assembly: 'public_labels' (the
+    # public set's labels), 'client_evaluate' (each client's own test part scorer, None
+    # without partition.test_fraction).
+    driver_needs: Tuple[str, ...] = ()
 
 
 def no_client_state(server_state: PyTree) -> None:

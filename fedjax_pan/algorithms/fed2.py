@@ -146,7 +146,7 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
     base = fedavg(model, client_tx, server_tx)
     return base._replace(client_init=client_init, client_step=client_step,
                          client_output=client_output, aggregator=Aggregator(finalize),
-                         upload_bytes=upload_bytes)
+                         upload_bytes=upload_bytes, model_view=None)
 
 def _check(cfg: Any) -> None:
     if cfg.fed2.group_weights == "class_samples" and cfg.aggregation.weights != "uniform":

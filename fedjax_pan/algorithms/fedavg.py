@@ -20,6 +20,7 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.engine.protocol import ModelView
 
 PyTree = Any
 BN_MODES = ("mean", "local")
@@ -75,4 +76,25 @@ def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
         return {"params": server.params, **server.model_state}
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables)
+                              client_output, server_update, eval_variables,
+                              model_view=DELTA_VIEW)
+
+
+def _delta_model(server: ServerState, output: Dict[str, Any]) -> PyTree:
+    # An algorithm built on FedAvg that sends more than its delta (or keeps another server
+    # state) has no such model: refused here, when the view is traced.
+    if not isinstance(server, ServerState) or set(output) != {"delta", "model_state"}:
+        raise TypeError("the output is not FedAvg's {'delta', 'model_state'} against its "
+                        "server state")
+    params = jax.tree_util.tree_map(lambda w, d: w + d, server.params, output["delta"])
+    return {"params": params, **output["model_state"]}
+
+
+def _delta_output(server: ServerState, variables: PyTree) -> Dict[str, Any]:
+    params, model_state = local_lib.split_variables(variables)
+    delta = jax.tree_util.tree_map(lambda a, b: a - b, params, server.params)
+    return {"delta": delta, "model_state": model_state}
+
+
+# FedAvg's output {delta, model_state} is the model server.params + delta with its state.
+DELTA_VIEW = ModelView(_delta_model, _delta_output)

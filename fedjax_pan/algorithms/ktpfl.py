@@ -305,7 +305,7 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
 
     # The clients' reports, stacked for `absorb` (phase 2 reports nothing: a sum of ()).
     aggregator = (weighted_sum if phase == "distill"
-                  else Aggregator(lambda outs, weights: outs, stacked=True))
+                  else Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True))
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
                               aggregator=aggregator, personal_variables=personal_variables)

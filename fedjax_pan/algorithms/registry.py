@@ -7,7 +7,7 @@ neither knows any algorithm's options.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import flax.linen as nn
 import optax
@@ -31,10 +31,16 @@ from fedjax_pan.algorithms.perfedavg import ENTRY as PERFEDAVG
 from fedjax_pan.algorithms.personal import ENTRIES as PERSONAL
 from fedjax_pan.algorithms.pfedme import ENTRY as PFEDME
 from fedjax_pan.algorithms.scaffold import ENTRY as SCAFFOLD
-from fedjax_pan.engine import robust
+from fedjax_pan.algorithms.siren import ENTRY as SIREN
+from fedjax_pan.algorithms import attacks
+from fedjax_pan.engine import robust, staleness
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
-AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "multi_krum", "geometric_median")
+AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "multi_krum", "geometric_median",
+                     "zeno", "sageflow", "fedasync")
+# Rules that score models on the server's labelled public set.
+PUBLIC_RULES = ("zeno", "sageflow")
+PUBLIC_DEFAULT = 1000  # SageFlow's public set (the authors' num_commondata)
 
 
 def server_optimizer(name: str, learning_rate: float, momentum: float = 0.0,
@@ -71,13 +77,17 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "fedrod": FEDROD,
     "fedala": FEDALA,
     "ktpfl": KTPFL,
+    "siren": SIREN,
 }
 
 
 def aggregator(rule: str, trim: float = 0.1, byzantine: int = 0,
-               keep: Optional[int] = None) -> core.Aggregator:
+               keep: Optional[int] = None, *, options: Any = None,
+               score: Optional[Callable] = None, late: bool = False) -> core.Aggregator:
     """The aggregation rule `config.aggregation.rule` names (`trim`: trimmed_mean's share
-    cut at each end; `byzantine`, `keep`: Multi-Krum's f and m)."""
+    cut at each end; `byzantine`, `keep`: Multi-Krum's f and m, Zeno's b; `options`:
+    `config.aggregation`, for zeno, sageflow and fedasync; `score`: the public-set scorer
+    zeno and sageflow need; `late`: clients can answer late, so SageFlow's gamma applies)."""
     if rule == "median":
         return core.median()
     if rule == "trimmed_mean":
@@ -86,6 +96,15 @@ def aggregator(rule: str, trim: float = 0.1, byzantine: int = 0,
         return robust.multi_krum(byzantine, keep)
     if rule == "geometric_median":
         return robust.geometric_median()
+    if rule == "zeno":
+        return robust.zeno(byzantine, options.zeno.rho, score)
+    if rule == "sageflow":
+        o = options.sageflow
+        return staleness.sageflow(o.entropy_threshold, o.delta, o.lam,
+                                  o.gamma_period if late else 0, score)
+    if rule == "fedasync":
+        o = options.fedasync
+        return staleness.fedasync(o.mixing, o.staleness, o.a, o.b)
     if rule == "mean":
         return core.weighted_mean
     raise ValueError(f"unknown aggregation rule {rule!r}; expected one of {AGGREGATION_RULES}")
@@ -104,12 +123,18 @@ def public_size(cfg: Any, num_train: int) -> int:
     fifth of the `num_train` training examples)."""
     if cfg.dataset.public_size:
         return int(cfg.dataset.public_size)
-    return min(int(ALGORITHMS[cfg.algorithm].public), num_train // 5)
+    default = int(ALGORITHMS[cfg.algorithm].public)
+    if cfg.aggregation.rule in PUBLIC_RULES:
+        default = max(default, PUBLIC_DEFAULT)
+    return min(default, num_train // 5)
 
 
-def from_config(model: nn.Module, cfg: Any, public: Any = None) -> FederatedAlgorithm:
-    """The algorithm `cfg.algorithm` for `model`, configured by `cfg`; `public`: the
-    unlabelled public images, for an algorithm that uses them."""
+def from_config(model: nn.Module, cfg: Any, public: Any = None, public_labels: Any = None
+                ) -> FederatedAlgorithm:
+    """The algorithm `cfg.algorithm` for `model`, configured by `cfg`, with the
+    aggregation rule it names (`attack_from_config` adds the attackers); `public`: the
+    public images held out at the server (`public_labels` their labels: zeno and sageflow
+    score models on them)."""
     if cfg.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {cfg.algorithm!r}; available: {sorted(ALGORITHMS)}")
     server = cfg.server
@@ -122,12 +147,31 @@ def from_config(model: nn.Module, cfg: Any, public: Any = None) -> FederatedAlgo
         algorithm = entry.build(model, cfg, client_tx(cfg), server_tx, public=public)
     else:
         algorithm = entry.build(model, cfg, client_tx(cfg), server_tx)
-    rule = cfg.aggregation.rule
-    if rule != "mean":
+    agg = cfg.aggregation
+    if agg.rule != "mean":
         if algorithm.aggregator is not core.weighted_mean:
             raise ValueError(f"{cfg.algorithm} aggregates its outputs its own way; "
-                             f"aggregation.rule must be 'mean', got {rule!r}")
-        agg = cfg.aggregation
-        algorithm = algorithm._replace(aggregator=aggregator(rule, agg.trim, agg.byzantine,
-                                                             agg.krum_keep))
+                             f"aggregation.rule must be 'mean', got {agg.rule!r}")
+        rule = aggregator(agg.rule, agg.trim, agg.byzantine, agg.krum_keep, options=agg,
+                          score=(robust.public_scorer(model, public, public_labels)
+                                 if agg.rule in PUBLIC_RULES else None),
+                          late=cfg.straggler.max_delay > 0)
+        if rule.space == "model" and algorithm.model_view is None:
+            raise ValueError(f"aggregation.rule={agg.rule!r} combines models, and "
+                             f"{cfg.algorithm}'s output is not a model or an update")
+        algorithm = algorithm._replace(aggregator=rule)
     return algorithm
+
+
+def attack_from_config(algorithm: FederatedAlgorithm, cfg: Any, num_clients: int,
+                       num_classes: int) -> FederatedAlgorithm:
+    """`algorithm` with `config.attack`'s malicious clients (unchanged for kind 'none')."""
+    a = cfg.attack
+    if a.kind == "none":
+        return algorithm
+    scale = attacks.DEFAULT_SCALE.get(a.kind, 1.0) if a.scale is None else a.scale
+    if a.kind == "backdoor" and a.target >= num_classes:
+        raise ValueError(f"attack.target must be a class below {num_classes}, got {a.target}")
+    attack = attacks.Attack(a.kind, num_classes, scale, a.target, a.poisoned, a.start_round)
+    return attacks.with_attack(algorithm, attack,
+                               attacks.draw_malicious(a.fraction, num_clients, cfg.seed))

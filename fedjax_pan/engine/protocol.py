@@ -19,6 +19,9 @@ Every function takes its state first, then its inputs, and returns the new state
                                                      (optional; Per-FedAvg's one step)
     aggregator                                    how outputs become `aggregate`
     upload_bytes(output, local_state)             -> bytes sent (optional)
+    model_view                                    the model an output stands for, and
+                                                  back (optional; attacks and model-space
+                                                  defences need it)
 
 `ctx` is a `ClientContext`; `server_state` in `client_step` is the round's broadcast
 (read-only: a client need not copy it into its local state). `batch` is
@@ -64,17 +67,38 @@ class RoundInfo(NamedTuple):
     num_clients: int  # K
 
 
+class Arrivals(NamedTuple):
+    """What a stacked aggregator knows of the outputs it combines besides their weights
+    (arrays over the same leading axis N)."""
+
+    staleness: Any  # (N,) int32: rounds since the broadcast each output was trained from
+    scores: Dict[str, Any]  # {name: (N,)} the aggregator's `score` of each, at its origin
+    round: Any  # the index of the round being closed
+    current: PyTree  # the server's model now (`eval_variables`; model-space rules mix it)
+
+
 class Aggregator(NamedTuple):
     """How the clients' outputs become the server update's `aggregate`.
 
     Streaming (`stacked=False`): the engine keeps only sum_k w_k * output_k and calls
     `finalize(output_sum, total_weight)`. Stacked: it keeps every client's output and calls
-    `finalize(outputs, weights)` with a leading client axis (M, ...) and weights (M,)
-    summing to 1 (memory: M copies of an output).
+    `finalize(outputs, weights, arrivals)` with a leading client axis (N, ...), weights (N,)
+    summing to 1, and `Arrivals` (memory: N copies of an output). A weight of 0 marks a
+    slot that holds no output this round (a client not yet arrived): every stacked rule
+    ignores it.
+
+    `space='model'`: the rule combines models, not outputs. The engine hands it each
+    client's model (the algorithm's `model_view.to_model`, taken against the broadcast the
+    client trained from) and turns the model it returns back into an output against the
+    current server (`to_output`). `score(variables) -> {name: scalar}` is computed for each
+    client's model when its output is made (SageFlow's loss and entropy on public data) and
+    reaches `finalize` in `arrivals.scores`.
     """
 
-    finalize: Callable[[PyTree, Any], PyTree]
+    finalize: Callable[..., PyTree]
     stacked: bool = False
+    space: str = "output"
+    score: Optional[Callable[[PyTree], Dict[str, Any]]] = None
 
 
 def _mean(output_sum: PyTree, total_weight: Any) -> PyTree:
@@ -93,28 +117,62 @@ weighted_mean = Aggregator(_mean)
 weighted_sum = Aggregator(_sum)
 
 
+def _present_sorted(x: jax.Array, present: jax.Array) -> jax.Array:
+    """`x` sorted along the client axis with absent slots (+inf) last."""
+    mask = present.reshape((-1,) + (1,) * (x.ndim - 1))
+    return jnp.sort(jnp.where(mask, x, jnp.inf), axis=0)
+
+
 def median() -> Aggregator:
-    """Coordinate-wise median over the round's clients (weights ignored; robust)."""
-    return Aggregator(lambda outs, weights: tree_map(lambda x: jnp.median(x, axis=0), outs),
-                      stacked=True)
+    """Coordinate-wise median over the round's clients (weights ignored, except that a
+    weight of 0 marks an absent slot; robust). Interpolates the two middle values as
+    `jnp.median` does, to the bit."""
+    def finalize(outs, weights, arrivals=None):
+        present = weights > 0
+        q = 0.5 * (jnp.sum(present).astype(jnp.float32) - 1.0)
+        low, high = jnp.floor(q), jnp.ceil(q)
+        w_high = q - low
+
+        def one(x):
+            s = _present_sorted(x, present)
+            lo, hi = s[low.astype(jnp.int32)], s[high.astype(jnp.int32)]
+            return (lo * (1.0 - w_high) + hi * w_high).astype(x.dtype)
+        return tree_map(one, outs)
+    return Aggregator(finalize, stacked=True)
 
 
 def trimmed_mean(trim: float) -> Aggregator:
-    """Coordinate-wise mean after dropping the floor(trim * M) largest and smallest values.
-
-    Weights are ignored (Yin et al. 2018); trim in [0, 0.5).
-    """
+    """Coordinate-wise mean after dropping the floor(trim * n) largest and smallest of the
+    n present values (Yin et al. 2018); weights are ignored; trim in [0, 0.5)."""
     if not 0.0 <= trim < 0.5:
         raise ValueError(f"trimmed_mean needs trim in [0, 0.5), got {trim}")
 
-    def finalize(outs, weights):
+    def finalize(outs, weights, arrivals=None):
+        present = weights > 0
+        n = jnp.sum(present)
+        # floor(trim * n) for every n, in float64 on the host: no float32 rounding at
+        # multiples (0.1 * 10).
+        cut = jnp.asarray([int(trim * k) for k in range(len(present) + 1)], jnp.int32)[n]
+        index = jnp.arange(len(present))
+        kept = (index >= cut) & (index < n - cut)
+
         def one(x):
-            m = x.shape[0]
-            cut = int(trim * m)
-            kept = jnp.sort(x, axis=0)[cut:m - cut]
-            return jnp.mean(kept, axis=0).astype(x.dtype)
+            s = _present_sorted(x, present)
+            mask = kept.reshape((-1,) + (1,) * (x.ndim - 1))
+            return (jnp.sum(jnp.where(mask, s, 0), axis=0) / (n - 2 * cut)).astype(x.dtype)
         return tree_map(one, outs)
     return Aggregator(finalize, stacked=True)
+
+
+class ModelView(NamedTuple):
+    """The model a client's output stands for, and back: `to_model(server, output)` ->
+    the variables the client in effect sends (its broadcast `server` plus its update, for
+    FedAvg's family); `to_output(server, variables)` -> the output that stands for
+    `variables` against `server`. Attacks act on the model, and model-space rules
+    (SageFlow, FedAsync, Zeno) combine models."""
+
+    to_model: Callable[[PyTree, PyTree], PyTree]
+    to_output: Callable[[PyTree, PyTree], PyTree]
 
 
 class FederatedAlgorithm(NamedTuple):
@@ -137,6 +195,28 @@ class FederatedAlgorithm(NamedTuple):
     # personal_adapt(server_state, client_state, batch) -> that model when the client first
     # adapts it on one batch of its own training data (takes precedence; None: none).
     personal_adapt: Optional[Callable[[PyTree, PyTree, PyTree], PyTree]] = None
+    # How outputs map to models (None: they do not, e.g. predictions or control variates).
+    model_view: Optional[ModelView] = None
+
+
+def stacked_entries(algorithm: FederatedAlgorithm, server: PyTree, outputs: PyTree
+                    ) -> Tuple[PyTree, Dict[str, Any]]:
+    """The stacked `outputs` of clients that trained from `server` as the algorithm's
+    stacked aggregator combines them (a model-space rule: their models), with their
+    scores ({} without `Aggregator.score`)."""
+    agg = algorithm.aggregator
+    if agg.space == "model":
+        outputs = jax.vmap(algorithm.model_view.to_model, in_axes=(None, 0))(server, outputs)
+    return outputs, ({} if agg.score is None else jax.vmap(agg.score)(outputs))
+
+
+def stacked_aggregate(algorithm: FederatedAlgorithm, server: PyTree, entries: PyTree,
+                      weights: Any, arrivals: Arrivals) -> PyTree:
+    """The stacked aggregator's `aggregate` for `server_update(server, ...)` from
+    `stacked_entries`' entries (a model-space rule's model becomes an output)."""
+    agg = algorithm.aggregator
+    combined = agg.finalize(entries, weights, arrivals)
+    return algorithm.model_view.to_output(server, combined) if agg.space == "model" else combined
 
 
 def tree_bytes(tree: PyTree) -> int:

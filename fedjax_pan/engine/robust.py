@@ -1,10 +1,11 @@
 """Byzantine-robust aggregation rules over the round's stacked client outputs.
 
-Each is an `Aggregator` with `stacked=True`: `finalize(outputs, weights)` sees every
-client's output (a pytree with a leading client axis M) and the round's weights (M,),
-and returns one output; jit-able, so any algorithm whose output is a model or an update
-can use it (`config.aggregation.rule`). Distances are Euclidean over the whole output
-(every leaf), computed leaf by leaf so no client's output is flattened into a copy.
+Each is an `Aggregator` with `stacked=True`: `finalize(outputs, weights, arrivals)` sees
+every client's output (a pytree with a leading client axis N) and the round's weights
+(N,), a weight of 0 marking an empty slot (an output not arrived), and returns one
+output; jit-able, so any algorithm whose output is a model or an update can use it
+(`config.aggregation.rule`). Distances are Euclidean over the whole output (every leaf),
+computed leaf by leaf so no client's output is flattened into a copy.
 
 - `multi_krum(f, m)` (Blanchard et al. 2017; El Mhamdi et al. 2018): client i's score is
   the sum of squared distances to its n - f - 2 nearest other clients; the m lowest-scored
@@ -15,11 +16,15 @@ can use it (`config.aggregation.rule`). Distances are Euclidean over the whole o
   `aggregation.weights = num_examples`): start at the weighted mean, then up to `maxiter`
   times v <- sum_i b_i x_i / sum_i b_i with b_i = a_i / max(eps, |v - x_i|), stopping once
   the objective sum_i a_i |v - x_i| changes by less than ftol times itself.
+- `zeno(b, rho, public_loss)` (Xie et al. 2019), on models: client i's score is
+  f_r(x) - f_r(x_i) - rho |x_i - x|^2, the descent its model x_i makes on the server's
+  held-out data from the current model x, less rho times its squared step; the n - b
+  best-scored models are averaged with the round's weights, renormalised.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Callable, Dict, Optional
 
 import jax
 import jax.numpy as jnp
@@ -53,14 +58,19 @@ def krum_kept(clients: int, byzantine: int, keep: Optional[int] = None) -> int:
     return kept
 
 
-def krum_scores(outputs: PyTree, byzantine: int) -> jax.Array:
-    """(M,) Krum scores: each client's summed squared distance to its M - f - 2 nearest
-    other clients."""
+def krum_scores(outputs: PyTree, byzantine: int, present: Optional[jax.Array] = None
+                ) -> jax.Array:
+    """(N,) Krum scores: each client's summed squared distance to its n - f - 2 nearest
+    other clients, n the clients `present` (default all; absent ones score +inf). With
+    n <= f + 2 (possible only when arrivals vary) each is scored on its nearest one."""
     m = jax.tree_util.tree_leaves(outputs)[0].shape[0]
-    krum_kept(m, byzantine)
+    present = jnp.ones(m, bool) if present is None else present
     d = pairwise_sq_distances(outputs)
-    d = jnp.where(jnp.eye(m, dtype=bool), jnp.inf, d)  # a client is not its own neighbour
-    return jnp.sum(jnp.sort(d, axis=1)[:, :m - byzantine - 2], axis=1)
+    # A client is not its own neighbour, nor is an empty slot anyone's.
+    d = jnp.where(jnp.eye(m, dtype=bool) | ~present[None, :], jnp.inf, d)
+    neighbours = jnp.maximum(jnp.sum(present) - byzantine - 2, 1)
+    near = jnp.where(jnp.arange(m)[None, :] < neighbours, jnp.sort(d, axis=1), 0.0)
+    return jnp.where(present, jnp.sum(near, axis=1), jnp.inf)
 
 
 def _weighted_mean(outputs: PyTree, weights: jax.Array) -> PyTree:
@@ -68,17 +78,31 @@ def _weighted_mean(outputs: PyTree, weights: jax.Array) -> PyTree:
     return tree_map(lambda x: jnp.tensordot(w.astype(x.dtype), x, axes=1), outputs)
 
 
+def _best(scores: jax.Array, present: jax.Array, count: jax.Array) -> jax.Array:
+    """(N,) bool: the `count` lowest `scores` among the slots `present` (ties to the lower
+    index; a present slot with an infinite or NaN score still ranks before any absent)."""
+    top = jnp.finfo(jnp.float32).max
+    key = jnp.where(present, jnp.nan_to_num(scores.astype(jnp.float32), nan=top, posinf=top),
+                    jnp.inf)
+    return jnp.argsort(jnp.argsort(key)) < count
+
+
 def multi_krum(byzantine: int, keep: Optional[int] = None) -> Aggregator:
     """Multi-Krum tolerating `byzantine` (f) clients a round, averaging the `keep` (m)
-    best-scored (None: M - f; 1: Krum)."""
+    best-scored (None: n - f of the n present; 1: Krum)."""
     if byzantine < 0 or (keep is not None and keep < 1):
         raise ValueError(f"multi_krum needs f >= 0 and m >= 1, got f = {byzantine}, "
                          f"m = {keep}")
 
-    def finalize(outputs, weights):
-        k = krum_kept(jax.tree_util.tree_leaves(outputs)[0].shape[0], byzantine, keep)
-        chosen = jnp.argsort(krum_scores(outputs, byzantine))[:k]
-        return _weighted_mean(tree_map(lambda x: x[chosen], outputs), weights[chosen])
+    def finalize(outputs, weights, arrivals=None):
+        # Too few slots for any round to score: refused when traced. Fewer arrivals than
+        # slots (stragglers) are handled by the masks below.
+        krum_kept(weights.shape[0], byzantine, keep)
+        present = weights > 0
+        n = jnp.sum(present)
+        kept = jnp.clip(n - byzantine if keep is None else keep, 1, n)
+        chosen = _best(krum_scores(outputs, byzantine, present), present, kept)
+        return _weighted_mean(outputs, jnp.where(chosen, weights, 0.0))
     return Aggregator(finalize, stacked=True)
 
 
@@ -95,7 +119,7 @@ def geometric_median(maxiter: int = 4, eps: float = 1e-5, ftol: float = 1e-6) ->
         raise ValueError(f"geometric_median needs maxiter >= 1, eps > 0, ftol >= 0, got "
                          f"{maxiter}, {eps}, {ftol}")
 
-    def finalize(outputs, weights):
+    def finalize(outputs, weights, arrivals=None):
         alpha = weights / jnp.sum(weights)
         v = _weighted_mean(outputs, alpha)
         d = _distances(v, outputs)  # one pass over the outputs per iteration: reused below
@@ -114,5 +138,61 @@ def geometric_median(maxiter: int = 4, eps: float = 1e-5, ftol: float = 1e-6) ->
     return Aggregator(finalize, stacked=True)
 
 
-__all__ = ["multi_krum", "geometric_median", "krum_kept", "krum_scores",
-           "pairwise_sq_distances"]
+def public_scorer(model: Any, images: jax.Array, labels: jax.Array,
+                  batch_size: int = 1000) -> Callable[[PyTree], Dict[str, jax.Array]]:
+    """score(variables) -> {'loss': mean cross-entropy, 'entropy': mean entropy of the
+    softmax, 'accuracy'} of `model` over the server's held-out examples (SageFlow's public
+    set, Zeno's validation data, Siren's root set), in batches of `batch_size`."""
+    images, labels = jnp.asarray(images), jnp.asarray(labels, jnp.int32)
+    n = images.shape[0]
+    b = min(batch_size, n)
+    pad = -n % b
+    xs = jnp.concatenate([images, jnp.zeros((pad,) + images.shape[1:], images.dtype)])
+    ys = jnp.concatenate([labels, jnp.zeros(pad, jnp.int32)])
+    mask = jnp.arange(n + pad) < n
+    xs, ys, mask = (a.reshape((-1, b) + a.shape[1:]) for a in (xs, ys, mask))
+
+    def score(variables):
+        def batch(acc, i):
+            logits = model.apply(variables, xs[i], train=False).astype(jnp.float32)
+            logp = jax.nn.log_softmax(logits)
+            loss = -jnp.take_along_axis(logp, ys[i][:, None], axis=1)[:, 0]
+            entropy = -jnp.sum(jnp.exp(logp) * logp, axis=1)
+            m = mask[i]
+            hit = jnp.argmax(logits, axis=1) == ys[i]
+            return (acc[0] + jnp.sum(jnp.where(m, loss, 0.0)),
+                    acc[1] + jnp.sum(jnp.where(m, entropy, 0.0)),
+                    acc[2] + jnp.sum(jnp.where(m & hit, 1.0, 0.0))), None
+        zero = jnp.float32(0)
+        (loss, entropy, correct), _ = jax.lax.scan(batch, (zero, zero, zero),
+                                                   jnp.arange(xs.shape[0]))
+        return {"loss": loss / n, "entropy": entropy / n, "accuracy": correct / n}
+    return score
+
+
+def _sq_distance(a: PyTree, b: PyTree) -> jax.Array:
+    """(N,) squared distances from each of the stacked `a` to the one `b`."""
+    return sum(jnp.sum((x - y[None]).reshape(x.shape[0], -1).astype(jnp.float32) ** 2, axis=1)
+               for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)))
+
+
+def zeno(byzantine: int, rho: float,
+         score: Callable[[PyTree], Dict[str, jax.Array]]) -> Aggregator:
+    """Zeno over models (module docstring): keeps the n - b best of the n present by
+    f_r(x) - f_r(x_i) - rho |x_i - x|^2, f_r the loss `score` gives (trainable
+    parameters only enter the distance)."""
+    if byzantine < 0 or rho < 0:
+        raise ValueError(f"zeno needs b >= 0 and rho >= 0, got b = {byzantine}, rho = {rho}")
+
+    def finalize(models, weights, arrivals):
+        present = weights > 0
+        step = _sq_distance(models["params"], arrivals.current["params"])
+        descent = score(arrivals.current)["loss"] - arrivals.scores["loss"]
+        kept = jnp.maximum(jnp.sum(present) - byzantine, 1)
+        chosen = _best(-(descent - rho * step), present, kept)  # the highest Zeno scores
+        return _weighted_mean(models, jnp.where(chosen, weights, 0.0))
+    return Aggregator(finalize, stacked=True, space="model", score=score)
+
+
+__all__ = ["multi_krum", "geometric_median", "zeno", "public_scorer", "krum_kept",
+           "krum_scores", "pairwise_sq_distances"]

@@ -17,10 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pan.engine.protocol import FederatedAlgorithm, RoundInfo
+from fedjax_pan.engine import timing
+from fedjax_pan.engine.protocol import (Arrivals, ClientContext, FederatedAlgorithm,
+                                        RoundInfo, stacked_aggregate, stacked_entries)
 from fedjax_pan.engine.clients import (ClientData, LocalWork, client_keys, real_examples,
                                        step_batch)
-from fedjax_pan.engine.execution import Cohort
+from fedjax_pan.engine.execution import Cohort, CohortResult
 
 PyTree = Any
 AGGREGATIONS = ("uniform", "num_examples")
@@ -31,6 +33,16 @@ class SimState(NamedTuple):
     server: PyTree
     client_states: PyTree  # stacked over all K clients, or None
     round: int  # rounds completed
+    timing: Optional[timing.TimeState] = None  # simulated time, outputs in flight
+
+    def saved(self) -> tuple:
+        """What a checkpoint holds (`restored` puts it back)."""
+        base = (self.server, self.client_states)
+        return base if self.timing is None else base + (self.timing,)
+
+    @staticmethod
+    def restored(tree: tuple, round_index: int) -> "SimState":
+        return SimState(tree[0], tree[1], round_index, *tree[2:])
 
 
 def stream_keys(seed: int) -> Tuple[jax.Array, jax.Array]:
@@ -66,6 +78,8 @@ class Simulation:
     # they take at most half its memory, else the host), True/False force it. The numbers
     # are the same either way; the host costs a transfer of the cohort's states per round.
     states_on_host: Optional[bool] = None
+    # Clients that answer late and the server's policy (engine/timing.py); None: none.
+    stragglers: Optional[timing.Stragglers] = None
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -83,9 +97,22 @@ class Simulation:
         # Every client's model adapted on its batch; a stateless algorithm's None maps over
         # nothing, so the batches set the client axis.
         self._adapt = None if adapt is None else jax.jit(jax.vmap(adapt, in_axes=(None, 0, 0)))
+        if self.stragglers is not None and self.stragglers.max_delay == 0:
+            self.stragglers = None  # nothing is ever late: the synchronous engine
+        if self.stragglers is not None:
+            self._slow = self.stragglers.slow_clients(self.seed, self.data.num_clients)
+            self._entries = jax.jit(lambda server, outputs: stacked_entries(
+                self.algorithm, server, outputs))
+            self._stacked_update = jax.jit(self._stacked_update_fn)
 
     def init(self, variables: PyTree) -> SimState:
         server = self.algorithm.server_init(variables)
+        state = self._init_states(server)
+        if self.stragglers is None:
+            return state
+        return state._replace(timing=self._empty_time(server, state.client_states))
+
+    def _init_states(self, server: PyTree) -> SimState:
         one = self.algorithm.client_state_init(server)
         if one is None:
             return SimState(server, None, 0)
@@ -139,24 +166,31 @@ class Simulation:
             self.data.images, self.data.labels, row, n, key, 0, b))(
             self.data.index_table, jnp.asarray(self.data.sizes, jnp.int32), keys)
 
-    def cohort(self, state: SimState, round_index: int) -> Cohort:
-        ids = self.sample(round_index)
+    def _weights(self, ids: np.ndarray) -> np.ndarray:
+        """Clients' aggregation weights: 1 each (uniform) or their example counts."""
         if self.aggregation == "uniform":
-            weights = np.ones(len(ids))
-        else:
-            weights = self.data.sizes[ids].astype(np.float64)
+            return np.ones(len(ids))
+        return self.data.sizes[ids].astype(np.float64)
+
+    def cohort(self, state: SimState, round_index: int,
+               ids: Optional[np.ndarray] = None) -> Cohort:
+        """Round `round_index`'s cohort: its sampled clients, or `ids` of them."""
+        ids = self.sample(round_index) if ids is None else ids
         states = None if state.client_states is None else jax.tree_util.tree_map(
             lambda x: jnp.asarray(x[ids]), state.client_states)
-        return Cohort(ids, self.steps[ids], weights,
+        return Cohort(ids, self.steps[ids], self._weights(ids),
                       client_keys(self._data_key, round_index, ids),
                       client_keys(self._algo_key, round_index, ids), states, round_index)
 
     def _aggregate_and_update(self, server, outputs, weights, info):
-        aggregator = self.algorithm.aggregator
-        if aggregator.stacked:
-            aggregate = aggregator.finalize(outputs, info.weights)
+        if self.algorithm.aggregator.stacked:
+            entries, scores = stacked_entries(self.algorithm, server, outputs)
+            arrivals = Arrivals(jnp.zeros(info.weights.shape, jnp.int32), scores, info.round,
+                                self.algorithm.eval_variables(server))
+            aggregate = stacked_aggregate(self.algorithm, server, entries, info.weights,
+                                          arrivals)
         else:
-            aggregate = aggregator.finalize(outputs, jnp.sum(weights))
+            aggregate = self.algorithm.aggregator.finalize(outputs, jnp.sum(weights))
         return self.algorithm.server_update(server, aggregate, info)
 
     def client_updates(self, state: SimState) -> list:
@@ -174,8 +208,45 @@ class Simulation:
                            jax.tree_util.tree_map(lambda x: x[0], result.outputs))
         return outputs
 
+    def _store_states(self, client_states: PyTree, ids: np.ndarray, new: PyTree) -> PyTree:
+        """`client_states` with clients `ids`' rows set to `new` (stacked in `ids` order)."""
+        if client_states is None:
+            return None
+        if isinstance(jax.tree_util.tree_leaves(client_states)[0], np.ndarray):
+            # In place, as the device path's donated scatter (a restored array may be
+            # read-only: copied once).
+            client_states = jax.tree_util.tree_map(
+                lambda a: a if a.flags.writeable else np.array(a), client_states)
+            for a, n in zip(jax.tree_util.tree_leaves(client_states),
+                            jax.tree_util.tree_leaves(new)):
+                a[ids] = np.asarray(n)
+            return client_states
+        return self._scatter(client_states, jnp.asarray(ids), new)
+
+    def _info(self, round_index: int, ids: np.ndarray) -> RoundInfo:
+        weights = jnp.asarray(self._weights(ids), jnp.float32)
+        return RoundInfo(jnp.int32(round_index), jnp.asarray(ids, jnp.int32),
+                         weights / jnp.sum(weights), self.data.num_clients)
+
+    def _statistics(self, results: list, ids: np.ndarray) -> Dict[str, float]:
+        """A round's statistics over its executor `results` (clients `ids` trained)."""
+        sums = jax.device_get(results[0].metrics)
+        for r in results[1:]:
+            sums = jax.tree_util.tree_map(lambda a, b: a + b, sums, jax.device_get(r.metrics))
+        metrics = dict(sums)
+        upload = float(metrics.pop("upload_bytes"))
+        return {**train_metrics(metrics),
+                "real_examples": real_examples(self.work, self.data.sizes[ids]),
+                "computed_examples": sum(r.computed_examples for r in results),
+                "upload_bytes": upload}
+
     def round(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
         """Runs round `state.round`; returns the new state and the round's statistics."""
+        if self.stragglers is not None:
+            return self._timed_round(state)
+        return self._synchronous(state)
+
+    def _synchronous(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
         cohort = self.cohort(state, state.round)
         result = self.executor.run(state.server, cohort)
         weights = jnp.asarray(cohort.weights, jnp.float32)
@@ -183,25 +254,172 @@ class Simulation:
                          weights / jnp.sum(weights), self.data.num_clients)
         outputs = result.outputs if self.algorithm.aggregator.stacked else result.output_sum
         server = self._server_update(state.server, outputs, weights, info)
-        client_states = state.client_states
-        if client_states is not None and isinstance(
-                jax.tree_util.tree_leaves(client_states)[0], np.ndarray):
-            # In place, as the device path's donated scatter (a restored array may be
-            # read-only: copied once).
-            client_states = jax.tree_util.tree_map(
-                lambda a: a if a.flags.writeable else np.array(a), client_states)
-            for a, n in zip(jax.tree_util.tree_leaves(client_states),
-                            jax.tree_util.tree_leaves(result.client_states)):
-                a[cohort.ids] = np.asarray(n)
-        elif client_states is not None:
-            client_states = self._scatter(client_states, jnp.asarray(cohort.ids),
-                                          result.client_states)
-        metrics = dict(jax.device_get(result.metrics))
-        upload = float(metrics.pop("upload_bytes"))
-        real = real_examples(self.work, self.data.sizes[cohort.ids])
-        stats = {**train_metrics(metrics), "real_examples": real,
-                 "computed_examples": result.computed_examples, "upload_bytes": upload}
-        return SimState(server, client_states, state.round + 1), stats
+        client_states = self._store_states(state.client_states, cohort.ids,
+                                           result.client_states)
+        return (SimState(server, client_states, state.round + 1, state.timing),
+                self._statistics([result], cohort.ids))
+
+    # --- stragglers (engine/timing.py) -------------------------------------------------
+
+    def _one_entry(self, server: PyTree, client_states: PyTree) -> PyTree:
+        """Shapes of one client's in-flight entry: its output (a streaming rule: weighted),
+        or for a model-space rule its model; with its scores."""
+        c = self.data.label_counts.shape[1]
+        ctx = ClientContext(jax.random.PRNGKey(0), jnp.int32(1), jnp.int32(1), jnp.int32(0),
+                            jnp.int32(0), jnp.zeros(c, jnp.float32))
+        one_state = None if client_states is None else jax.tree_util.tree_map(
+            lambda x: x[0], client_states)
+
+        def entry(server, client_state):
+            alg = self.algorithm
+            output = alg.client_output(alg.client_init(server, client_state, ctx), server)[0]
+            if not alg.aggregator.stacked:
+                return output
+            entries, scores = stacked_entries(alg, server, jax.tree_util.tree_map(
+                lambda x: x[None], output))
+            return jax.tree_util.tree_map(lambda x: x[0], (entries, scores))
+        return jax.eval_shape(entry, server, one_state)
+
+    def _empty_time(self, server: PyTree, client_states: PyTree) -> timing.TimeState:
+        k = self.data.num_clients
+        if self.stragglers.policy != "stale":
+            return timing.empty(k)
+        d, m = self.stragglers.max_delay, self.num_sampled
+        # In flight after a round: outputs of the last D rounds. Stacked: one slot a
+        # client (D * M); streaming: one a (round, delay) group (D * D), each up to M ids.
+        slots, width = (d * m, 1) if self.algorithm.aggregator.stacked else (d * d, m)
+        zeros = jax.tree_util.tree_map(lambda s: np.zeros((slots,) + s.shape, s.dtype),
+                                       self._one_entry(server, client_states))
+        return timing.empty(k, zeros, width)
+
+    def _stacked_update_fn(self, server, fresh, fresh_weights, slots, slot_weights,
+                           staleness, info):
+        """The server update over this round's fresh entries and the slots in flight
+        (weights 0 where nothing arrives), as one stack."""
+        entries, scores = jax.tree_util.tree_map(
+            lambda a, b: jnp.concatenate([a, b.astype(a.dtype)]), fresh, slots)
+        weights = jnp.concatenate([fresh_weights, slot_weights])
+        weights = weights / jnp.sum(weights)
+        arrivals = Arrivals(staleness, scores, info.round,
+                            self.algorithm.eval_variables(server))
+        aggregate = stacked_aggregate(self.algorithm, server, entries, weights, arrivals)
+        return self.algorithm.server_update(server, aggregate, info)
+
+    def _timed_round(self, state: SimState) -> tuple[SimState, Dict[str, Any]]:
+        """A round under the straggler model (engine/timing.py)."""
+        t, st = state.round, state.timing
+        ids = self.sample(t)
+        now = float(st.clock[0])
+        plan = timing.plan(self.stragglers, now, np.asarray(st.free_at), ids,
+                           self.stragglers.draw(self.seed, t, ids, self._slow))
+        free_at = np.array(st.free_at, np.float64)
+        free_at[ids[plan.active]] = now + 1.0 + plan.delays[plan.active]
+        arriving = (np.zeros(0, bool) if st.arrival is None else np.asarray(st.arrival) == t)
+        d = self.stragglers.max_delay
+        if plan.used.all() and not arriving.any():
+            # Nothing late, nobody busy: the synchronous round itself.
+            new, stats = self._synchronous(state)
+            staleness = np.zeros(len(ids), np.int64)
+        else:
+            new, stats, staleness = self._asynchronous(state, ids, plan, arriving)
+        clock = np.array([now + plan.duration])
+        stats.update(sim_time=float(clock[0]),
+                     sim_arrivals=timing.arrivals_by_staleness(staleness, d),
+                     sim_busy=int((~plan.active).sum()),
+                     sim_dropped=int((plan.active & ~plan.used & ~plan.kept).sum()))
+        return new._replace(timing=new.timing._replace(clock=clock, free_at=free_at)), stats
+
+    def _asynchronous(self, state: SimState, ids: np.ndarray, plan: timing.Plan,
+                      arriving: np.ndarray) -> tuple:
+        """A round some of whose outputs are late or arrive late: (state, statistics,
+        staleness of each used output). Slots in flight are read (`arriving`), the round's
+        clients trained, the server updated from what arrived (not at all if nothing did),
+        and the late outputs stored in free slots."""
+        t, st = state.round, state.timing
+        flight = timing.Flight(st, arriving, t)
+        arrived = np.concatenate([ids[plan.used], flight.arrived_ids])
+        staleness = np.concatenate([np.zeros(plan.used.sum(), np.int64), flight.staleness])
+        run = _Runner(self, state, ids)
+        if self.algorithm.aggregator.stacked:
+            server = self._stacked_arrivals(state.server, ids, plan, flight, run, arrived)
+        else:
+            server = self._streamed_arrivals(state.server, ids, plan, flight, run, arrived)
+        new = SimState(server, run.state.client_states, t + 1, flight.stored())
+        stats = self._statistics(run.results, np.concatenate(run.trained)) if run.results \
+            else {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
+                  "upload_bytes": 0.0}
+        return new, stats, staleness
+
+    def _stacked_arrivals(self, server, ids, plan, flight, run, arrived):
+        """Stacked rule: every active client's entry; the fresh ones (padded to M) and the
+        slots in flight in one stack, weights 0 where nothing arrives."""
+        sel, m = plan.active, self.num_sampled
+        n = int(sel.sum())
+        if n:
+            fresh = self._entries(server, run(sel).outputs)
+        else:  # everyone sampled is busy: only slots in flight can arrive
+            fresh = jax.tree_util.tree_map(lambda x: x[:0], flight.slots)
+        if len(arrived):
+            fresh_w = np.pad(np.where(plan.used[sel], self._weights(ids[sel]), 0.0), (0, m - n))
+            padded = jax.tree_util.tree_map(
+                lambda x: jnp.pad(x, [(0, m - n)] + [(0, 0)] * (x.ndim - 1)), fresh)
+            slots = flight.slots if flight.slots is not None else jax.tree_util.tree_map(
+                lambda x: x[:0], padded)
+            stale = np.concatenate([np.zeros(m), flight.slot_staleness])
+            server = self._stacked_update(
+                server, padded, jnp.asarray(fresh_w, jnp.float32), slots,
+                jnp.asarray(flight.slot_weights, jnp.float32), jnp.asarray(stale, jnp.int32),
+                self._info(flight.round, arrived))
+        positions = np.flatnonzero(sel)
+        for j in np.flatnonzero(plan.kept[sel]):
+            one = np.zeros(len(ids), bool)
+            one[positions[j]] = True
+            flight.keep(jax.tree_util.tree_map(lambda x: x[j], fresh), ids[one],
+                        self._weights(ids[one]), int(plan.delays[positions[j]]))
+        return server
+
+    def _streamed_arrivals(self, server, ids, plan, flight, run, arrived):
+        """Streaming rule: the round's fresh outputs summed in one run, each delay's late
+        ones in a run of their own (one slot each), plus the sums arriving from flight."""
+        total, mass = None, 0.0
+        if plan.used.any():
+            total = run(plan.used).output_sum
+            mass = float(np.sum(self._weights(ids[plan.used])))
+        for delay in range(1, self.stragglers.max_delay + 1):
+            sel = plan.kept & (plan.delays == delay)
+            if sel.any():
+                flight.keep(run(sel).output_sum, ids[sel], self._weights(ids[sel]), delay)
+        dropped = plan.active & ~plan.used & ~plan.kept
+        if dropped.any() and run.state.client_states is not None:
+            run(dropped)  # they trained (their states move on); the server ignores them
+        for part, w in flight.arriving_entries():
+            total = part if total is None else jax.tree_util.tree_map(
+                lambda a, b: a + b, total, part)
+            mass += w
+        if mass > 0:
+            server = self._server_update(server, total, jnp.asarray([mass], jnp.float32),
+                                         self._info(flight.round, arrived))
+        return server
+
+
+class _Runner:
+    """Trains subsets of a round's clients one executor run at a time, keeping each
+    run's result and the client states it leaves (for `Simulation._asynchronous`)."""
+
+    def __init__(self, sim: Simulation, state: SimState, ids: np.ndarray):
+        self.sim, self.state, self.ids = sim, state, ids
+        self.results: list = []
+        self.trained: list = []
+
+    def __call__(self, sel: np.ndarray) -> CohortResult:
+        sub = self.ids[sel]
+        result = self.sim.executor.run(self.state.server,
+                                       self.sim.cohort(self.state, self.state.round, sub))
+        self.state = self.state._replace(client_states=self.sim._store_states(
+            self.state.client_states, sub, result.client_states))
+        self.results.append(result)
+        self.trained.append(sub)
+        return result
 
 
 def train_metrics(sums: Dict[str, Any]) -> Dict[str, float]:

@@ -1,0 +1,61 @@
+"""Each aggregation rule's round against FedAvg's (the mean), on the MLP bench at 10 and
+50 clients a round, and the straggler machinery's (outputs kept in flight)."""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from benchmarks.harness import Log, Settings, mlp_workload, summarize, time_engine
+from benchmarks.sections.algorithms import _bench_config
+from fedjax_pan.defaults import set_keys
+
+PER_ROUND = (10, 50)
+PUBLIC = 1000  # SageFlow's and Zeno's server-side examples
+# name -> config changes; f = b = a fifth of the round (SageFlow's 20% attackers)
+RULES = {
+    "mean (FedAvg)": {},
+    "median": {"aggregation.rule": "median"},
+    "trimmed_mean": {"aggregation.rule": "trimmed_mean"},
+    "multi_krum": {"aggregation.rule": "multi_krum", "byzantine": 0.2},
+    "geometric_median": {"aggregation.rule": "geometric_median"},
+    "zeno": {"aggregation.rule": "zeno", "byzantine": 0.2},
+    "sageflow": {"aggregation.rule": "sageflow"},
+    "fedasync": {"aggregation.rule": "fedasync"},
+    "mean, stragglers (stale, D = 2)": {"straggler.max_delay": 2},
+    "sageflow, stragglers (stale, D = 2)": {"aggregation.rule": "sageflow",
+                                            "straggler.max_delay": 2},
+}
+
+
+def defences_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+    """Seconds per round (training and aggregation, no evaluation) of each rule in
+    `RULES` at each cohort size of `PER_ROUND` (capped at the bench's clients), and its
+    ratio to FedAvg's mean in the same cohort."""
+    from fedjax_pan.assembly import make_round
+
+    w = mlp_workload(settings, settings.mlp_clients)
+    public = (w.data.images[:PUBLIC], w.data.labels[:PUBLIC])
+    reps = 1 if settings.quick else settings.reps
+    out: Dict[str, Any] = {}
+    for per_round in sorted({min(m, w.data.num_clients) for m in PER_ROUND}):
+        base = _bench_config(settings, w, per_round)
+        rows: Dict[str, Any] = {}
+        for name, changes in RULES.items():
+            changes = dict(changes)
+            if "byzantine" in changes:
+                changes["aggregation.byzantine"] = max(1, round(changes.pop("byzantine")
+                                                                * per_round))
+            cfg = set_keys(base.copy_and_resolve_references(), changes)
+            sim = make_round(cfg, w.model, w.variables, w.data, w.work, *public)
+            m = time_engine(sim, w.variables, None, settings.warmup, reps,
+                            settings.slow_round_s)
+            rec = summarize(m, w.flops_per_example, ceiling)
+            rows[name] = {"seconds_per_round": rec["seconds_per_round"], "reps": rec["reps"],
+                          "compiles_timed": rec["compiles_timed"]}
+        first = rows["mean (FedAvg)"]["seconds_per_round"]
+        for name, rec in rows.items():
+            rec["vs_fedavg"] = rec["seconds_per_round"] / first
+            log(f"[defences] {per_round} clients, {name}: {rec['seconds_per_round']:.3f} "
+                f"s/round ({rec['vs_fedavg']:.2f}x)")
+        out[str(per_round)] = rows
+    return {"workload": w.describe(settings.mlp_per_round), "per_round": out}

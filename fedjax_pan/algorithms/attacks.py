@@ -1,0 +1,151 @@
+"""Malicious clients, as a wrapper over any algorithm (optax style), following the SageFlow
+authors' code (`update.py`, `utils1.sign_attack`, the backdoor variant's `utils2`).
+
+A fixed set of clients (`malicious`, drawn once per seed by `draw_malicious`) attacks from
+round `start_round` on; the others run the algorithm untouched. Kinds:
+
+  model_poisoning  sends -scale * w, its weights negated and scaled (authors: 0.1), in
+                   place of its trained model;
+  sign_flip        sends its update negated, times scale (4, as Siren's code):
+                   w_s - scale (w - w_s);
+  gaussian         adds N(0, scale^2) noise (scale 1) to every trained parameter;
+  label_shift      trains on labels (y + 1) mod C (the authors' data poisoning);
+  label_flip       trains on labels C - 1 - y (pairs 0-9, 1-8, ...: Siren's flipping);
+  backdoor         in each batch, the first floor(n * poisoned) of its n examples carry a
+                   12-pixel pattern in the top-left corner (set to 1.0 in normalised
+                   units, as the authors) and the target label (2); the update is boosted
+                   x `boost` (10: model replacement), w_s + boost (w - w_s).
+
+w is the client's trained model, w_s the broadcast it started from. Output attacks need
+the algorithm's `model_view` (FedAvg's family); they change trainable parameters only,
+BatchNorm statistics are sent as trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_pan.algorithms.core import FederatedAlgorithm
+
+PyTree = Any
+tree_map = jax.tree_util.tree_map
+ATTACKS = ("none", "model_poisoning", "sign_flip", "gaussian", "label_shift", "label_flip",
+           "backdoor")
+DATA_ATTACKS = ("label_shift", "label_flip", "backdoor")
+MODEL_ATTACKS = ("model_poisoning", "sign_flip", "gaussian", "backdoor")
+# Each kind's `scale` when the config leaves it unset.
+DEFAULT_SCALE = {"model_poisoning": 0.1, "sign_flip": 4.0, "gaussian": 1.0, "backdoor": 10.0}
+# The authors' MNIST pattern, (row, column) in the top-left corner.
+PATTERN = ((0, 0), (1, 0), (2, 0), (0, 1), (1, 2), (2, 3), (0, 5), (1, 4), (4, 0), (4, 1),
+           (4, 2), (4, 3))
+_MALICIOUS_STREAM, _NOISE_STREAM = 0xA7, 0xA9
+
+
+class Attack(NamedTuple):
+    kind: str
+    num_classes: int
+    scale: float = 1.0  # DEFAULT_SCALE[kind] from the config
+    target: int = 2  # backdoor's label
+    poisoned: float = 20 / 64  # backdoor's share of each batch
+    start_round: int = 0
+
+
+class AttackedLocal(NamedTuple):
+    inner: PyTree
+    malicious: jax.Array  # this client attacks this round
+    rng: jax.Array
+
+
+def draw_malicious(fraction: float, num_clients: int, seed: int) -> np.ndarray:
+    """(K,) bool: round(fraction * K) clients, drawn once from the seed."""
+    count = int(round(fraction * num_clients))
+    rng = np.random.default_rng([seed, _MALICIOUS_STREAM])
+    out = np.zeros(num_clients, bool)
+    out[rng.choice(num_clients, count, replace=False)] = True
+    return out
+
+
+def add_pattern(images: jax.Array) -> jax.Array:
+    """`images` (N, H, W, C) with the backdoor pattern's pixels set to 1.0 (all channels)."""
+    rows, cols = zip(*PATTERN)
+    return images.at[:, np.asarray(rows), np.asarray(cols), :].set(1.0)
+
+
+def poison_batch(batch: dict, attack: Attack) -> dict:
+    """The batch a malicious client trains on (data attacks; others: unchanged)."""
+    y, c = batch["y"], attack.num_classes
+    if attack.kind == "label_shift":
+        return {**batch, "y": (y + 1) % c}
+    if attack.kind == "label_flip":
+        return {**batch, "y": c - 1 - y}
+    if attack.kind == "backdoor":
+        n = jnp.sum(batch["mask"]).astype(jnp.int32)  # real rows come first
+        hit = jnp.arange(y.shape[0]) < jnp.floor(n * attack.poisoned).astype(jnp.int32)
+        x = jnp.where(hit[:, None, None, None], add_pattern(batch["x"]), batch["x"])
+        return {**batch, "x": x, "y": jnp.where(hit, attack.target, y)}
+    return batch
+
+
+def attack_params(attack: Attack, trained: PyTree, broadcast: PyTree, key: jax.Array
+                  ) -> PyTree:
+    """The parameters a malicious client sends in place of `trained` (module docstring)."""
+    kind, s = attack.kind, attack.scale
+    if kind == "model_poisoning":
+        return tree_map(lambda w: -s * w, trained)
+    if kind == "sign_flip":
+        return tree_map(lambda w, b: b - s * (w - b), trained, broadcast)
+    if kind == "backdoor":
+        return tree_map(lambda w, b: b + s * (w - b), trained, broadcast)
+    if kind == "gaussian":
+        leaves, treedef = jax.tree_util.tree_flatten(trained)
+        keys = jax.random.split(key, len(leaves))
+        return jax.tree_util.tree_unflatten(treedef, [
+            w + s * jax.random.normal(k, w.shape, w.dtype) for w, k in zip(leaves, keys)])
+    return trained
+
+
+def with_attack(algorithm: FederatedAlgorithm, attack: Attack, malicious: np.ndarray
+                ) -> FederatedAlgorithm:
+    """`algorithm` whose clients flagged in `malicious` (K,) attack as `attack` says from
+    round `attack.start_round` on."""
+    if attack.kind not in ATTACKS:
+        raise ValueError(f"unknown attack {attack.kind!r}; expected one of {ATTACKS}")
+    if attack.kind in MODEL_ATTACKS and algorithm.model_view is None:
+        raise ValueError(f"attack {attack.kind!r} changes the model a client sends, and "
+                         f"this algorithm's output is not a model or an update")
+    table = jnp.asarray(malicious, bool)
+
+    def client_init(server, client_state, ctx):
+        inner = algorithm.client_init(server, client_state, ctx)
+        on = table[ctx.client_id] & (ctx.round >= attack.start_round)
+        return AttackedLocal(inner, on, jax.random.fold_in(ctx.rng, _NOISE_STREAM))
+
+    def client_step(local, batch, server):
+        if attack.kind in DATA_ATTACKS:
+            bad = poison_batch(batch, attack)
+            batch = tree_map(lambda p, b: jnp.where(local.malicious, p, b), bad, batch)
+        inner, metrics = algorithm.client_step(local.inner, batch, server)
+        return local._replace(inner=inner), metrics
+
+    def client_output(local, server):
+        output, client_state = algorithm.client_output(local.inner, server)
+        if attack.kind not in MODEL_ATTACKS:
+            return output, client_state
+        view = algorithm.model_view
+        model = view.to_model(server, output)
+        broadcast = algorithm.eval_variables(server)
+        sent = {**model, "params": attack_params(attack, model["params"],
+                                                 broadcast["params"], local.rng)}
+        bad = view.to_output(server, sent)
+        return tree_map(lambda b, o: jnp.where(local.malicious, b, o), bad, output), client_state
+
+    return algorithm._replace(client_init=client_init, client_step=client_step,
+                              client_output=client_output)
+
+
+__all__ = ["Attack", "ATTACKS", "DATA_ATTACKS", "MODEL_ATTACKS", "DEFAULT_SCALE", "PATTERN",
+           "draw_malicious", "add_pattern", "poison_batch", "attack_params", "with_attack"]

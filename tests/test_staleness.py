@@ -1,0 +1,87 @@
+"""FedAsync's mixing and SageFlow's entropy filter, loss weights and staleness grouping,
+each on a small set worked out by hand; both from a config under stragglers."""
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_pan import experiment
+from fedjax_pan.engine import staleness
+from fedjax_pan.engine.protocol import Arrivals
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_experiment import config, metrics  # noqa: E402
+
+
+def _models(values):
+    return {"params": {"w": jnp.asarray(values, jnp.float32)[:, None]}}
+
+
+CURRENT = {"params": {"w": jnp.asarray([10.0])}}
+
+
+def _arrivals(stale, loss=None, entropy=None, round_index=0):
+    scores = {} if loss is None else {"loss": jnp.asarray(loss, jnp.float32),
+                                      "entropy": jnp.asarray(entropy, jnp.float32)}
+    return Arrivals(jnp.asarray(stale, jnp.int32), scores, jnp.int32(round_index), CURRENT)
+
+
+def test_staleness_functions():
+    s = jnp.asarray([0, 1, 3, 4, 6])
+    np.testing.assert_allclose(staleness.staleness_weight("polynomial", s, a=0.5),
+                               [1, 2 ** -0.5, 0.5, 5 ** -0.5, 7 ** -0.5], rtol=1e-6)
+    np.testing.assert_allclose(staleness.staleness_weight("hinge", s, a=10, b=4),
+                               [1, 1, 1, 1, 1 / 21], rtol=1e-6)
+    with pytest.raises(ValueError, match="unknown FedAsync"):
+        staleness.fedasync(kind="linear")
+
+
+def test_fedasync_mixes_each_staleness_group_stalest_first_by_hand():
+    # Slots: two fresh models (2, 4; weights 1, 3), one of staleness 1 (8), an empty slot.
+    models = _models([2.0, 4.0, 8.0, 100.0])
+    weights = jnp.asarray([1.0, 3.0, 2.0, 0.0])
+    rule = staleness.fedasync(mixing=0.5, kind="polynomial", a=1.0)
+    got = rule.finalize(models, weights, _arrivals([0, 0, 1, 0]))
+    # Staleness 1 first: a = 0.5 * 1/2 = 0.25: x = 0.75 * 10 + 0.25 * 8 = 9.5;
+    # then the fresh group's mean (2 + 3 * 4) / 4 = 3.5 with a = 0.5: 0.5 * 9.5 + 1.75.
+    np.testing.assert_allclose(got["params"]["w"], [6.5], rtol=1e-6)
+    assert rule.space == "model" and rule.stacked
+
+
+def test_sageflow_filters_weighs_and_groups_by_hand():
+    models = _models([1.0, 3.0, 50.0, 6.0, 7.0])
+    weights = jnp.full(5, 0.2)
+    loss = [1.0, 2.0, 0.1, 4.0, 1.0]
+    entropy = [0.5, 0.9, 1.5, 0.2, 2.0]  # client 2 (fresh) and 4 (stale) are dropped
+    rule = staleness.sageflow(e_th=1.0, delta=1.0, lam=0.5, gamma_period=0, score=None)
+    got = rule.finalize(models, weights, _arrivals([0, 0, 0, 2, 2], loss, entropy))
+    # Fresh group: beta = 1/1, 1/2 -> v0 = (1 + 3/2) / 1.5 = 5/3, two accepted.
+    # Staleness-2 group: client 3 alone, v2 = 6, one accepted, alpha ~ 1 * 3^-0.5.
+    a0, a2 = 2.0, 3 ** -0.5
+    want = (a0 * 5 / 3 + a2 * 6) / (a0 + a2)
+    np.testing.assert_allclose(got["params"]["w"], [want], rtol=1e-6)
+    # gamma = 0.5^(t // 20): at round 45, 1/4 of the step from the current model.
+    late = staleness.sageflow(1.0, 1.0, 0.5, 20, None).finalize(
+        models, weights, _arrivals([0, 0, 0, 2, 2], loss, entropy, round_index=45))
+    np.testing.assert_allclose(late["params"]["w"], [0.75 * 10 + 0.25 * want], rtol=1e-6)
+    # With the paper's m_k the weights enter beta and alpha: client 1 weighs 3x.
+    w = jnp.asarray([0.1, 0.3, 0.2, 0.2, 0.2])
+    paper = rule.finalize(models, w, _arrivals([0, 0, 0, 2, 2], loss, entropy))
+    v0 = (0.1 * 1 + 0.3 / 2 * 3) / (0.1 + 0.3 / 2)
+    want_m = ((0.4 * v0) + 0.2 * a2 * 6) / (0.4 + 0.2 * a2)
+    np.testing.assert_allclose(paper["params"]["w"], [want_m], rtol=1e-6)
+    # Everyone dropped: the model stays.
+    none = rule.finalize(models, weights, _arrivals([0] * 5, loss, [5.0] * 5))
+    np.testing.assert_allclose(none["params"]["w"], [10.0])
+
+
+@pytest.mark.parametrize("rule", ["sageflow", "fedasync", "zeno"])
+def test_staleness_rules_run_from_a_config_with_stragglers(tmp_path, rule):
+    run = str(tmp_path / rule)
+    experiment.train(config(rounds=3, straggler__max_delay=2, aggregation__rule=rule,
+                            dataset__public_size=200), run, progress=False)
+    rows = metrics(run)
+    assert len(rows) == 3 and all(np.isfinite(r["test_loss"]) for r in rows)

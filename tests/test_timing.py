@@ -1,0 +1,179 @@
+"""Stragglers: the delay model, the round plans by hand, the in-flight buffer against a
+plain-Python event simulation, delay 0 (and waiting for everyone) bit for bit the
+synchronous engine, and resume with outputs in flight."""
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_clients
+from fedjax_pan import experiment
+from fedjax_pan.algorithms.core import FederatedAlgorithm, median
+from fedjax_pan.engine import LocalWork, Simulation, make_executor, timing
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_experiment import config, metrics  # noqa: E402
+
+WORK = LocalWork(batch_size=8, epochs=1)
+
+
+def test_delays_are_seeded_uniform_or_a_fixed_slow_share():
+    model = timing.Stragglers(2)
+    ids = np.arange(40)
+    no_slow = np.zeros(100, bool)
+    d = model.draw(0, 3, ids, no_slow)
+    np.testing.assert_array_equal(d, model.draw(0, 3, ids, no_slow))  # (seed, round) alone
+    assert set(d.tolist()) == {0, 1, 2}
+    assert not np.array_equal(d, model.draw(0, 4, ids, no_slow))
+    slow_model = timing.Stragglers(3, delays="slow", slow_share=0.25)
+    slow = slow_model.slow_clients(7, 100)
+    assert slow.sum() == 25
+    np.testing.assert_array_equal(slow, slow_model.slow_clients(7, 100))
+    np.testing.assert_array_equal(slow_model.draw(7, 0, ids, slow), np.where(slow[ids], 3, 0))
+    with pytest.raises(ValueError, match="unknown straggler policy"):
+        timing.Stragglers(2, policy="hurry")
+
+
+def test_round_plans_by_hand():
+    # Five sampled clients at time 10; client 3 is busy until 11.
+    free_at = np.array([0.0, 10.0, 5.0, 11.0, 0.0, 0.0])
+    ids = np.array([0, 1, 2, 3, 5])
+    delays = np.array([0, 2, 1, 0, 1])
+    active = [True, True, True, False, True]
+
+    def plan(policy, share=0.5):
+        return timing.plan(timing.Stragglers(2, policy, wait_share=share), 10.0, free_at,
+                           ids, delays)
+
+    p = plan("wait_all")  # waits for the delay-2 client: 3 time units
+    np.testing.assert_array_equal(p.active, active)
+    np.testing.assert_array_equal(p.used, active)
+    assert p.duration == 3.0 and not p.kept.any()
+    p = plan("wait_share")  # active delays sorted 0, 1, 1, 2: half = 2 outputs -> wait 1
+    np.testing.assert_array_equal(p.used, [True, False, True, False, True])
+    assert p.duration == 2.0
+    assert plan("wait_share", 0.2).duration == 1.0  # ceil(0.2 * 4) = 1 output
+    p = plan("ignore")
+    np.testing.assert_array_equal(p.used, [True, False, False, False, False])
+    assert p.duration == 1.0 and not p.kept.any()
+    p = plan("stale")
+    np.testing.assert_array_equal(p.kept, [False, True, True, False, True])
+    assert p.duration == 1.0
+
+
+def _tagging_algorithm(stacked: bool) -> FederatedAlgorithm:
+    """Each client sends v = 100 * id + the round its broadcast is from; the server keeps
+    the last aggregate of v and counts its updates. No training."""
+    def client_init(server, client_state, ctx):
+        return {"v": 100.0 * ctx.client_id.astype(jnp.float32) + server["round"]}
+
+    def client_step(local, batch, server):
+        return local, {"loss_sum": jnp.float32(0.0), "num_examples": jnp.float32(0.0)}
+
+    def server_update(server, aggregate, info):
+        return {"round": server["round"] + 1.0, "last": aggregate["v"],
+                "updates": server["updates"] + 1.0}
+
+    algo = FederatedAlgorithm(
+        lambda v: {"round": jnp.float32(0), "last": jnp.float32(-1), "updates": jnp.float32(0)},
+        lambda s: None, client_init, client_step, lambda local, server: (local, None),
+        server_update, lambda s: s)
+    return algo._replace(aggregator=median()) if stacked else algo
+
+
+def _event_simulation(sim, model, rounds, stacked):
+    """Who arrives when, in plain Python: the expected last aggregate after each round
+    (None: no update), and the server's own round counter (its broadcast tag)."""
+    free = {k: 0.0 for k in range(sim.data.num_clients)}
+    in_flight = []  # (arrival round, value)
+    clock, tag, expected = 0.0, 0.0, []
+    for t in range(rounds):
+        ids = sim.sample(t)
+        delays = model.draw(sim.seed, t, ids, np.zeros(sim.data.num_clients, bool))
+        now_values = []
+        for k, d in zip(ids.tolist(), delays.tolist()):
+            if free[k] > clock:
+                continue  # busy
+            free[k] = clock + 1 + d
+            value = 100.0 * k + tag
+            if d == 0:
+                now_values.append(value)
+            else:
+                in_flight.append((t + d, value))
+        now_values += [v for r, v in in_flight if r == t]
+        in_flight = [(r, v) for r, v in in_flight if r != t]
+        clock += 1.0
+        if now_values:
+            tag += 1.0
+            agg = np.median(now_values) if stacked else np.mean(now_values)
+            expected.append((agg, len(now_values)))
+        else:
+            expected.append((None, 0))
+    return expected
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["streaming", "stacked"])
+def test_stale_outputs_arrive_as_a_plain_event_simulation_says(stacked):
+    _, cd = tiny_clients([9] * 12)
+    algo = _tagging_algorithm(stacked)
+    model = timing.Stragglers(2, "stale")
+    ex = make_executor("loop", algo, WORK, cd, {}, 6)
+    sim = Simulation(algo, cd, WORK, ex, 0.5, seed=3, stragglers=model)
+    state = sim.init({})
+    want = _event_simulation(sim, model, 12, stacked)
+    late_seen = False
+    for t in range(12):
+        last = float(state.server["last"])
+        state, stats = sim.round(state)
+        value, count = want[t]
+        assert sum(stats["sim_arrivals"]) == count
+        late_seen |= sum(stats["sim_arrivals"][1:]) > 0
+        if value is None:
+            assert float(state.server["last"]) == last  # nothing arrived: unchanged
+        else:
+            assert float(state.server["last"]) == pytest.approx(value, rel=1e-6)
+        assert stats["sim_time"] == t + 1
+    assert late_seen
+
+
+def test_every_delay_zero_is_the_synchronous_engine_bit_for_bit(tmp_path):
+    plain = str(tmp_path / "plain")
+    experiment.train(config(rounds=3), plain, progress=False)
+    # Two ways nothing is ever late: a slow share of 0, and waiting for everyone (whose
+    # rounds last longer but use every output fresh).
+    for name, changes in (("slow0", dict(straggler__max_delay=2, straggler__delays="slow",
+                                          straggler__slow_share=0.0)),
+                          ("wait_all", dict(straggler__max_delay=2,
+                                            straggler__policy="wait_all"))):
+        run = str(tmp_path / name)
+        experiment.train(config(rounds=3, **changes), run, progress=False)
+        got = metrics(run)
+        for a, b in zip(metrics(plain), got):
+            assert {k: v for k, v in b.items() if not k.startswith("sim_")} == a
+        times = [r["sim_time"] for r in got]
+        if name == "slow0":
+            assert times == [1.0, 2.0, 3.0]
+        else:
+            assert times[-1] > 3.0 and all(r["sim_busy"] == 0 for r in got)
+
+
+def test_resume_with_outputs_in_flight_equals_an_uninterrupted_run(tmp_path):
+    changes = dict(straggler__max_delay=2, checkpoint_every=2)
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    experiment.train(config(rounds=5, **changes), full, progress=False)
+    experiment.train(config(rounds=2, **changes), part, progress=False)
+    experiment.train(config(rounds=5, **changes), part, resume=True, progress=False)
+    assert metrics(part) == metrics(full)
+    # Something was in flight at the checkpoint of round 2 (else the test shows nothing).
+    assert any(sum(r["sim_arrivals"][1:]) for r in metrics(full)[2:])
+
+
+def test_stragglers_are_refused_where_outputs_cannot_be_left_out():
+    from fedjax_pan import assembly
+    from fedjax_pan.errors import ConfigError
+    with pytest.raises(ConfigError, match="straggler.max_delay"):
+        assembly.build(config(algorithm="fedma", pan__amplitude=0.0, straggler__max_delay=2,
+                              rounds=1))
