@@ -259,12 +259,12 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                             f"engine.protocol.Round's members")
         # A driver that puts the config's attackers among its clients says so (Siren).
         attacks_handled = getattr(simulation, "handles_attacks", False)
-        for key, off in (("shuffle.n_sf", cfg.shuffle.n_sf == 0),
-                         ("straggler.max_delay", cfg.straggler.max_delay == 0),
-                         ("attack.kind", cfg.attack.kind == "none" or attacks_handled)):
+        for key, default, off in (
+                ("shuffle.n_sf", "0", cfg.shuffle.n_sf == 0),
+                ("straggler.max_delay", "0", cfg.straggler.max_delay == 0),
+                ("attack.kind", "'none'", cfg.attack.kind == "none" or attacks_handled)):
             require(off, f"config.{key} is not available with algorithm {cfg.algorithm!r} "
-                    f"as configured (its rounds run on its own driver): leave it at its "
-                    f"default")
+                    f"as configured (its rounds run on its own driver): set {key}={default}")
         return simulation
     if cfg.shuffle.n_sf > 0:
         num_classes = int(client_data.label_counts.shape[1])
