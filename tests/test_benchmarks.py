@@ -40,11 +40,12 @@ POSITIVE = {"seconds_per_round", "end_to_end_seconds", "eval_seconds", "examples
 
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    """(output dir, results.json, stdout) of one quick suite run (designed for < 90 s)."""
+    """(output dir, results.json, stdout) of one quick suite run (167 s alone on 2 cores,
+    2026-11-26; the limit leaves room for the other test worker sharing the cores)."""
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--suite", "cpu",
                            "--quick", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out / "results.json") as f:
         return out, json.load(f), proc.stdout
@@ -76,9 +77,9 @@ def test_every_section_is_present(quick):
                     "profile", "algorithms", "defences", "grouped_conv", "throughput",
                     "compiles", "memory", "targets", "total_seconds"):
         assert section in results, section
-    from benchmarks.sections.defences import RULES
+    from benchmarks.sections.defences import QUICK
     for rows in results["defences"]["per_round"].values():
-        assert set(rows) == set(RULES) and rows["mean (FedAvg)"]["vs_fedavg"] == 1.0
+        assert set(rows) == set(QUICK) and rows["mean (FedAvg)"]["vs_fedavg"] == 1.0
     from fedjax_pan.algorithms import ALGORITHMS
     algos = results["algorithms"]["algorithms"]
     drivers = results["algorithms"]["drivers"]

@@ -27,10 +27,14 @@ RULES = {
 }
 
 
+# What the quick suite (tests) times: one rule of each kind, the stragglers' round.
+QUICK = ("mean (FedAvg)", "multi_krum", "sageflow", "mean, stragglers (stale, D = 2)")
+
+
 def defences_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
     """Seconds per round (training and aggregation, no evaluation) of each rule in
-    `RULES` at each cohort size of `PER_ROUND` (capped at the bench's clients), and its
-    ratio to FedAvg's mean in the same cohort."""
+    `RULES` (`QUICK` only, in the quick suite) at each cohort size of `PER_ROUND` (capped
+    at the bench's clients), and its ratio to FedAvg's mean in the same cohort."""
     from fedjax_pan.assembly import make_round
 
     w = mlp_workload(settings, settings.mlp_clients)
@@ -41,6 +45,8 @@ def defences_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, 
         base = _bench_config(settings, w, per_round)
         rows: Dict[str, Any] = {}
         for name, changes in RULES.items():
+            if settings.quick and name not in QUICK:
+                continue
             changes = dict(changes)
             if "byzantine" in changes:
                 changes["aggregation.byzantine"] = max(1, round(changes.pop("byzantine")
