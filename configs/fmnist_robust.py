@@ -11,7 +11,7 @@ initial weights; the main command prints their final accuracies in one table.
 Presets (`--config=configs/fmnist_robust.py:<preset>`):
   compare   (default) 30 rounds: FedAvg without attack and without stragglers, then under
             both: FedAvg, Multi-Krum (f = 4), RFA (geometric median), Zeno (b = 4), FedAsync
-            and SageFlow (about 6 minutes on 2 CPU cores)
+            and SageFlow (7 runs like the robustness script's, 30-75 s each on 2 CPU cores)
   sageflow  SageFlow alone under both
   smoke     3 tiny rounds of three variants, for tests
 Change the threat with e.g. `--config.attack.kind=label_shift`, `backdoor` (its success

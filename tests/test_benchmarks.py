@@ -171,7 +171,7 @@ def test_suite_records_engine_naive_agreement(quick):
 def test_targets_and_reports_are_written(quick):
     out, results, stdout = quick
     names = [t["name"] for t in results["targets"]]
-    assert len(names) == 14
+    assert len(names) == 16
     for t in results["targets"]:  # the PyTorch target is n/a where torch is not installed
         torch_target = "PyTorch" in t["name"] and not pytorch_style.available()
         assert t["status"] in (("n/a",) if torch_target else ("PASS", "MISS")), t
@@ -179,6 +179,7 @@ def test_targets_and_reports_are_written(quick):
     for needle in ["# Benchmark results", "## Targets", "## MLP bench", "## Scaling",
                    "## What stands between the MLP step and the matmul ceiling",
                    "## Algorithms on the MLP bench", "## Execution strategy for grouped models",
+                   "## Aggregation rules and stragglers on the MLP bench",
                    "## FedJAX workload (Fashion-MNIST, 20 clients)",
                    "## Start-up on the FedJAX workload",
                    "- commit:", "- machine:", "jax " + results["meta"]["jax"]]:
