@@ -96,7 +96,7 @@ RULES: Dict[str, Rule] = {
     "aggregation.byzantine": between(0, 1e5, integer=True),
     "aggregation.krum_keep": between(1, 1e5, integer=True, optional=True),
     "aggregation.zeno.rho": between(0, 1e4),
-    "aggregation.sageflow.entropy_threshold": between(1e-6, 100, lo_open=False),
+    "aggregation.sageflow.entropy_threshold": between(1e-6, 100),
     "aggregation.sageflow.delta": between(0, 10),
     "aggregation.sageflow.lam": between(0, 10),
     "aggregation.sageflow.gamma_period": between(0, 1e6, integer=True),

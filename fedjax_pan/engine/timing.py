@@ -19,7 +19,7 @@ T + 1 + d; it is busy (not selectable) until then. The server's policy:
 
 A round whose outputs all arrive in it, with no client busy and nothing stale arriving,
 runs exactly as the synchronous engine's: with every delay 0, results equal it bit for
-bit, and only `sim_time` is added to the metrics.
+bit, and only the `sim_*` fields are added to the metrics.
 """
 
 from __future__ import annotations
