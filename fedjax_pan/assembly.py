@@ -21,7 +21,7 @@ from fedjax_pan.algorithms.shuffle import with_shuffling
 from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, clients_per_round,
                                count_compiles, make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.evaluation import make_client_evaluator
-from fedjax_pan.engine.protocol import Round
+from fedjax_pan.engine.protocol import Round, placeholder_context
 from fedjax_pan.engine.services import Services
 from fedjax_pan.engine.timing import Stragglers
 from fedjax_pan.errors import ConfigError, require
@@ -127,8 +127,7 @@ def _check_shuffleable(algorithm: Any, variables: Any, num_classes: int, name: s
     # Alg. 2 permutes a local model in place: the local state must be one (params and
     # model_state); per-client extras (control variates, previous models) would also need
     # permuting, which no algorithm declares yet.
-    ctx = algorithms.ClientContext(jax.random.PRNGKey(0), jnp.int32(1), jnp.int32(1),
-                                   jnp.int32(0), jnp.int32(0), jnp.zeros(num_classes))
+    ctx = placeholder_context(num_classes)
     server = jax.eval_shape(algorithm.server_init, variables)
     local = jax.eval_shape(lambda s: algorithm.client_init(
         s, algorithm.client_state_init(s), ctx), server)
@@ -305,8 +304,7 @@ def _check_model_view(algorithm: Any, variables: Any, num_classes: int,
     the configured attack or aggregation rule changes or combines."""
     what = (f"attack.kind={cfg.attack.kind!r}" if cfg.attack.kind in attacks.MODEL_ATTACKS
             else f"aggregation.rule={cfg.aggregation.rule!r}")
-    ctx = algorithms.ClientContext(jax.random.PRNGKey(0), jnp.int32(1), jnp.int32(1),
-                                   jnp.int32(0), jnp.int32(0), jnp.zeros(num_classes))
+    ctx = placeholder_context(num_classes)
     view = algorithm.model_view
     try:
         require(view is not None, "")

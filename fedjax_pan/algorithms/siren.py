@@ -150,9 +150,8 @@ class Siren:
         self.limit = max(1, int(self.o["prohibit"] * rounds))
         score = public_scorer(model, public, public_labels)
         self._score = jax.jit(jax.vmap(lambda v: score(v)["accuracy"]))
-        self._models = jax.jit(jax.vmap(lambda server, out: {
-            "params": tree_map(lambda w, d: w + d, server.params, out["delta"]),
-            **out["model_state"]}, in_axes=(None, 0)))
+        # Each client's model from its update: the clients' (FedAvg's) model view.
+        self._models = jax.jit(jax.vmap(algorithm.model_view.to_model, in_axes=(None, 0)))
 
     def init(self, variables: PyTree) -> SimState:
         base = self.algorithm.server_init(variables)

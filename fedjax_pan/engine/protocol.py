@@ -58,6 +58,13 @@ class ClientContext(NamedTuple):
     label_counts: Any  # (C,) float32 histogram of its labels
 
 
+def placeholder_context(num_classes: int) -> ClientContext:
+    """A client's context of placeholder values: for tracing shapes (`jax.eval_shape`) of
+    what an algorithm's client functions return, never for training."""
+    return ClientContext(jax.random.PRNGKey(0), jnp.int32(1), jnp.int32(1), jnp.int32(0),
+                         jnp.int32(0), jnp.zeros(num_classes, jnp.float32))
+
+
 class RoundInfo(NamedTuple):
     """What the server update knows about the round it closes."""
 

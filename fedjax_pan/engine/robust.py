@@ -108,9 +108,7 @@ def multi_krum(byzantine: int, keep: Optional[int] = None) -> Aggregator:
 
 def _distances(v: PyTree, outputs: PyTree) -> jax.Array:
     """(M,) Euclidean distances from `v` to each client's output."""
-    sq = sum(jnp.sum((x - y[None]).reshape(x.shape[0], -1).astype(jnp.float32) ** 2, axis=1)
-             for x, y in zip(jax.tree_util.tree_leaves(outputs), jax.tree_util.tree_leaves(v)))
-    return jnp.sqrt(sq)
+    return jnp.sqrt(_sq_distance(outputs, v))
 
 
 def geometric_median(maxiter: int = 4, eps: float = 1e-5, ftol: float = 1e-6) -> Aggregator:

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pan.engine import timing
-from fedjax_pan.engine.protocol import (Arrivals, ClientContext, FederatedAlgorithm,
-                                        RoundInfo, stacked_aggregate, stacked_entries)
+from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, RoundInfo,
+                                        placeholder_context, stacked_aggregate,
+                                        stacked_entries)
 from fedjax_pan.engine.clients import (ClientData, LocalWork, client_keys, real_examples,
                                        step_batch)
 from fedjax_pan.engine.execution import Cohort, CohortResult
@@ -264,9 +265,7 @@ class Simulation:
     def _one_entry(self, server: PyTree, client_states: PyTree) -> PyTree:
         """Shapes of one client's in-flight entry: its output (a streaming rule: weighted),
         or for a model-space rule its model; with its scores."""
-        c = self.data.label_counts.shape[1]
-        ctx = ClientContext(jax.random.PRNGKey(0), jnp.int32(1), jnp.int32(1), jnp.int32(0),
-                            jnp.int32(0), jnp.zeros(c, jnp.float32))
+        ctx = placeholder_context(self.data.label_counts.shape[1])
         one_state = None if client_states is None else jax.tree_util.tree_map(
             lambda x: x[0], client_states)
 
