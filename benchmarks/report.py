@@ -21,6 +21,11 @@ TARGETS = (
      "<="),
     ("SageFlow round (public-set scoring) <= 1.3x FedAvg's at 10 clients a round",
      "defence_sageflow", 1.3, "<="),
+    ("top-k (10%) upload round <= 1.1x FedAvg's", "compression_top_k 10%", 1.10, "<="),
+    ("QSGD (16 levels) upload round <= 1.1x FedAvg's", "compression_qsgd 16 levels", 1.10,
+     "<="),
+    ("DP-FedAvg clipping and noise round <= 1.1x FedAvg's", "compression_dp clipping (z = 1)",
+     1.10, "<="),
     ("auto's grouped conv within 10% of the fastest (grouped VGG9 step)", "grouped_impl",
      1.10, "<="),
     ("auto within 10% of the best strategy (grouped models)", "grouped_strategy", 1.10,
@@ -50,6 +55,9 @@ def _target_value(results: Results, key: str) -> Optional[float]:
     if key.startswith("defence_") and "defences" in results:
         rows = results["defences"]["per_round"].get("10")
         rec = None if rows is None else rows.get(key[len("defence_"):])
+        return None if rec is None else rec["vs_fedavg"]
+    if key.startswith("compression_") and "compression" in results:
+        rec = results["compression"]["methods"].get(key[len("compression_"):])
         return None if rec is None else rec["vs_fedavg"]
     if key == "grouped_impl" and "grouped_conv" in results:
         return results["grouped_conv"]["vgg_step"]["auto"]["ratio_to_best"]
@@ -199,6 +207,8 @@ def _blocks(results: Results) -> List[tuple]:
         blocks.append(_algorithms_block(results))
     if "defences" in results:
         blocks.append(_defences_block(results["defences"]))
+    if "compression" in results:
+        blocks.append(_compression_block(results["compression"]))
     if "grouped_conv" in results:
         blocks += _grouped_blocks(results["grouped_conv"])
     if "throughput" in results:
@@ -365,6 +375,16 @@ def _defences_block(r: Dict[str, Any]) -> tuple:
             [_describe(r["workload"]), "training and aggregation, no evaluation; Multi-Krum "
              "and Zeno told f = b = a fifth of the round; SageFlow and Zeno score every "
              "model on 1,000 server-side examples"], header, rows)
+
+
+def _compression_block(r: Dict[str, Any]) -> tuple:
+    header = ["method", "s/round", "vs FedAvg", "MiB up", "MiB down"]
+    rows = [[name, f"{rec['seconds_per_round']:.3f}", f"{rec['vs_fedavg']:.2f}x",
+             f"{rec['upload_mib']:.2f}", f"{rec['download_mib']:.2f}"]
+            for name, rec in r["methods"].items()]
+    return ("Compression and DP-FedAvg on the MLP bench",
+            [_describe(r["workload"]), "training, the transform and aggregation, no "
+             "evaluation; bytes of one round, counted from the wire format"], header, rows)
 
 
 def _profile_block(results: Results) -> tuple:

@@ -1,6 +1,6 @@
 """The benchmark suite: the matmul ceiling, then each section (`benchmarks/sections/`: MLP
-bench, padding, conv nets, scaling, profile, algorithms, defences, grouped convs;
-throughput).
+bench, padding, conv nets, scaling, profile, algorithms, defences, compression, grouped
+convs; throughput).
 
 Every figure is measured in this one process after warm-up: each configuration runs
 `warmup` untimed rounds (which absorb compilation; their compile count and seconds are
@@ -30,6 +30,7 @@ from benchmarks import throughput
 from benchmarks.harness import (Log, Settings, device_peak_mib, machine_info, make_settings,
                                 measure_matmul, peak_rss_mib)
 from benchmarks.sections.algorithms import algorithms_section
+from benchmarks.sections.compression import compression_section
 from benchmarks.sections.defences import defences_section
 from benchmarks.sections.grouped_conv import grouped_conv_section
 from benchmarks.sections.mlp import mlp_section
@@ -42,11 +43,12 @@ from fedjax_pan.engine import count_compiles
 __all__ = ["SECTIONS", "Settings", "make_settings", "run_suite"]
 
 SECTIONS = ("mlp", "padding", "vgg", "scaling", "profile", "algorithms", "defences",
-            "grouped_conv", "throughput")
+            "compression", "grouped_conv", "throughput")
 
 SECTION_FUNCTIONS = {"mlp": mlp_section, "padding": padding_section, "vgg": conv_section,
                      "scaling": scaling_section, "profile": profile_section,
                      "algorithms": algorithms_section, "defences": defences_section,
+                     "compression": compression_section,
                      "grouped_conv": grouped_conv_section,
                      "throughput": lambda settings, ceiling, log: throughput.throughput_section(
                          settings.throughput, ceiling, log)}

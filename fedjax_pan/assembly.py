@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from fedjax_pan import algorithms, models, permutation, schema
+from fedjax_pan import algorithms, models, permutation, privacy, schema
 from fedjax_pan import data as data_lib
 from fedjax_pan.algorithms import attacks
 from fedjax_pan.algorithms.attacks import add_pattern
@@ -47,6 +47,9 @@ class Experiment:
     # Further evaluators of the global model, logged as their accuracy under their name
     # (a backdoor's success rate).
     probes: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Fields of each evaluated round's row computed from its index alone (DP-FedAvg's
+    # epsilon after that many rounds).
+    round_fields: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def validate(cfg: ml_collections.ConfigDict) -> None:
@@ -221,8 +224,15 @@ def build(cfg: ml_collections.ConfigDict,
         probes["backdoor_success"] = make_evaluator(
             model, add_pattern(test_x[others]), np.full(int(others.sum()), cfg.attack.target),
             cfg.eval.batch_size, ds.num_classes)
+    round_fields = {}
+    if cfg.privacy.clip > 0:
+        k = len(parts)
+        ledger = privacy.Ledger(cfg.privacy.noise_multiplier, cfg.privacy.delta, cfg.sampling,
+                                k, clients_per_round(cfg.participation, k),
+                                cfg.participation if cfg.sampling == "poisson" else None)
+        round_fields["dp_epsilon"] = ledger.epsilon
     return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy,
-                      probes=probes, **local)
+                      probes=probes, round_fields=round_fields, **local)
 
 
 def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
@@ -261,7 +271,13 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
         for key, default, off in (
                 ("shuffle.n_sf", "0", cfg.shuffle.n_sf == 0),
                 ("straggler.max_delay", "0", cfg.straggler.max_delay == 0),
-                ("attack.kind", "'none'", cfg.attack.kind == "none" or attacks_handled)):
+                ("attack.kind", "'none'", cfg.attack.kind == "none" or attacks_handled),
+                *[(key, "'none'", cfg.compression[side].method == "none")
+                  for side, key in (("upload", "compression.upload.method"),
+                                    ("download", "compression.download.method"))],
+                ("compression.mask_before", "'none'", cfg.compression.mask_before == "none"),
+                ("privacy.clip", "0", cfg.privacy.clip == 0),
+                ("sampling", "'uniform'", cfg.sampling == "uniform")):
             require(off, f"config.{key} is not available with algorithm {cfg.algorithm!r} "
                     f"as configured (its rounds run on its own driver): set {key}={default}")
         return simulation
@@ -280,6 +296,14 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                                                           client_data.num_clients, num_classes)
     except ValueError as e:
         raise ConfigError(f"config.attack: {e}") from None
+    communication = _communication_setting(cfg)
+    if communication is not None:
+        _check_model_view(algorithm, variables, num_classes, cfg, communication)
+        try:
+            algorithm = algorithms.registry.communication_from_config(
+                algorithm, cfg, model, variables, client_data.num_clients)
+        except ValueError as e:
+            raise ConfigError(f"config.{communication}: {e}") from None
     own_stacked = (algorithm.aggregator.stacked and cfg.aggregation.rule == "mean")
     require(cfg.straggler.max_delay == 0 or not own_stacked,
             f"config.straggler.max_delay > 0 needs an aggregation that can leave out outputs "
@@ -295,15 +319,34 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
     st = cfg.straggler
     stragglers = Stragglers(st.max_delay, st.policy, st.delays, st.slow_share, st.wait_share)
     return Simulation(algorithm, client_data, work, executor, cfg.participation,
-                      cfg.aggregation.weights, cfg.seed, stragglers=stragglers)
+                      cfg.aggregation.weights, cfg.seed, stragglers=stragglers,
+                      sampling=cfg.sampling)
+
+
+def _communication_setting(cfg: ml_collections.ConfigDict) -> Optional[str]:
+    """The first compression or privacy setting that transforms what clients send, as
+    'key=value' (None: they send their outputs as they are)."""
+    c = cfg.compression
+    for key, on in (("compression.upload.method", c.upload.method != "none"),
+                    ("compression.download.method", c.download.method != "none"),
+                    ("compression.mask_before", c.mask_before != "none"),
+                    ("privacy.clip", cfg.privacy.clip > 0)):
+        if on:
+            value = cfg
+            for part in key.split("."):
+                value = value[part]
+            return f"{key}={value!r}"
+    return None
 
 
 def _check_model_view(algorithm: Any, variables: Any, num_classes: int,
-                      cfg: ml_collections.ConfigDict) -> None:
+                      cfg: ml_collections.ConfigDict, what: Optional[str] = None) -> None:
     """ConfigError unless the algorithm's outputs stand for models (`model_view`): what
-    the configured attack or aggregation rule changes or combines."""
-    what = (f"attack.kind={cfg.attack.kind!r}" if cfg.attack.kind in attacks.MODEL_ATTACKS
-            else f"aggregation.rule={cfg.aggregation.rule!r}")
+    the configured attack, aggregation rule, compression or privacy (`what`) changes or
+    combines."""
+    what = what or (f"attack.kind={cfg.attack.kind!r}"
+                    if cfg.attack.kind in attacks.MODEL_ATTACKS
+                    else f"aggregation.rule={cfg.aggregation.rule!r}")
     ctx = placeholder_context(num_classes)
     view = algorithm.model_view
     try:

@@ -74,6 +74,28 @@ def default_config() -> ml_collections.ConfigDict:
     c.attack = ml_collections.ConfigDict({"kind": "none", "fraction": 0.2, "start_round": 0,
                                           "scale": placeholder(float), "target": 2,
                                           "poisoned": 20 / 64})
+    # What clients send and receive (compression.py, algorithms/compressed.py): method
+    # 'none', 'top_k' / 'random_k' (keep `ratio` of each layer), 'qsgd' (`levels`), 'sign',
+    # 'quantize' (`bits`), or the post-training masks 'magnitude_mask' / 'importance_mask'
+    # (keep `ratio` of each layer's weights: the model is sent, not its update);
+    # quantize_bits > 0 quantises the values a sparsifier keeps; error_feedback keeps the
+    # sender's residual. vote: majority vote over sign messages. mask_before: the slides'
+    # pre-training mask ('magnitude' or 'importance', keeping `ratio`) whose other weights
+    # an L1 term of strength mask_l1 pushes to 0 during local training.
+    method = {"method": "none", "ratio": 0.1, "levels": 16, "bits": 8, "quantize_bits": 0,
+              "error_feedback": False}
+    c.compression = ml_collections.ConfigDict({
+        "upload": dict(method), "download": dict(method), "vote": False,
+        "mask_before": "none", "mask_l1": 1e-4})
+    # DP-FedAvg (algorithms/dp.py) when clip > 0: updates clipped to `clip` (adaptive: its
+    # start, moved towards the `quantile` of update norms at rate clip_lr, counting noise
+    # count_std, None: m / 20), noise multiplier z on the sum, epsilon at `delta` logged
+    # each evaluated round (privacy.py).
+    c.privacy = ml_collections.ConfigDict({
+        "clip": 0.0, "noise_multiplier": 0.0, "delta": 1e-5, "adaptive": False,
+        "quantile": 0.5, "clip_lr": 0.2, "count_std": placeholder(float)})
+    # 'uniform': round(R K) clients a round; 'poisson': each client with probability R.
+    c.sampling = "uniform"
     c.execution = ml_collections.ConfigDict({"strategy": "auto",
                                              "block_size": placeholder(int)})
     # local: also log each client's expected accuracy on a test set with its label mix.

@@ -23,10 +23,12 @@ from fedjax_pan.data.sources import DATASETS, GROUPED_DATASETS, NORMALIZATIONS
 from fedjax_pan.engine.clients import AUGMENTS, STEP_MODES
 from fedjax_pan.engine.execution import STRATEGIES
 from fedjax_pan.engine.robust import krum_kept
-from fedjax_pan.engine.simulation import AGGREGATIONS, clients_per_round
+from fedjax_pan.engine.simulation import AGGREGATIONS, SAMPLINGS, clients_per_round
 from fedjax_pan.engine.staleness import FEDASYNC_KINDS
 from fedjax_pan.engine.timing import DELAYS, POLICIES
 from fedjax_pan.algorithms.attacks import ATTACKS
+from fedjax_pan.algorithms.compressed import MASK_SCORES
+from fedjax_pan.compression import METHODS
 from fedjax_pan.errors import ConfigError, require
 from fedjax_pan.models.layers import parse_norm
 from fedjax_pan.pan import KINDS
@@ -115,6 +117,23 @@ RULES: Dict[str, Rule] = {
     "attack.scale": between(0, 1e4, optional=True),
     "attack.target": between(0, 1e5, integer=True),
     "attack.poisoned": between(0, 1),
+    **{f"compression.{side}.{key}": rule for side in ("upload", "download")
+       for key, rule in {"method": one_of(METHODS), "ratio": between(0, 1, lo_open=True),
+                         "levels": between(1, 2**16, integer=True),
+                         "bits": between(1, 16, integer=True),
+                         "quantize_bits": between(0, 16, integer=True),
+                         "error_feedback": Rule(boolean)}.items()},
+    "compression.vote": Rule(boolean),
+    "compression.mask_before": one_of(("none",) + MASK_SCORES),
+    "compression.mask_l1": between(0, 1e4),
+    "privacy.clip": between(0, 1e6),
+    "privacy.noise_multiplier": between(0, 1e4),
+    "privacy.delta": between(0, 1, lo_open=True, hi_open=True),
+    "privacy.adaptive": Rule(boolean),
+    "privacy.quantile": between(0, 1),
+    "privacy.clip_lr": between(0, 100),
+    "privacy.count_std": between(0, 1e6, lo_open=True, optional=True),
+    "sampling": one_of(SAMPLINGS),
     "execution.strategy": one_of(STRATEGIES),
     "execution.block_size": between(1, 1e5, integer=True, optional=True),
     "eval.every": between(1, 1e6, integer=True),
@@ -202,6 +221,7 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
                               f"aggregation.byzantine = {agg.byzantine} and "
                               f"aggregation.krum_keep = {agg.krum_keep} ({m} clients a "
                               f"round): {e}") from None
+    _communication_checks(cfg)
     entry = ALGORITHMS[cfg.algorithm]
     # Without a test part per client, a personalised algorithm's models are never scored:
     # its run would report an untrained or a FedAvg model under its name.
@@ -214,6 +234,47 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
             entry.check(cfg)
         except ValueError as e:
             raise ConfigError(f"config.{e}") from None
+
+
+def _communication_checks(cfg: ml_collections.ConfigDict) -> None:
+    """Compression, privacy and sampling settings that exclude each other."""
+    comp, dp = cfg.compression, cfg.privacy
+    require(not comp.vote or comp.upload.method == "sign",
+            f"config.compression.vote needs compression.upload.method='sign', got "
+            f"{comp.upload.method!r}")
+    require(comp.download.method not in ("magnitude_mask", "importance_mask"),
+            f"config.compression.download.method={comp.download.method!r}: masks prune "
+            f"a client's model before it is sent; the download sends the global update")
+    require(comp.download.method == "none" or cfg.straggler.max_delay == 0,
+            "config.compression.download needs straggler.max_delay=0 (a late client's "
+            "download would be counted against a model it did not hold)")
+    require(cfg.sampling == "uniform" or cfg.straggler.max_delay == 0,
+            "config.sampling='poisson' needs straggler.max_delay=0")
+    if dp.clip > 0:
+        require(cfg.aggregation.weights == "uniform",
+                f"config.privacy.clip > 0 (DP-FedAvg) needs aggregation.weights='uniform' "
+                f"(each client's sensitivity is the clip norm), got "
+                f"{cfg.aggregation.weights!r}")
+        require(cfg.aggregation.rule == "mean",
+                f"config.privacy.clip > 0 (DP-FedAvg) adds its noise to the clients' sum: "
+                f"aggregation.rule must be 'mean', got {cfg.aggregation.rule!r}")
+        require(comp.download.method == "none" and not comp.vote,
+                "config.privacy.clip > 0 (DP-FedAvg) clips updates against the model the "
+                "server sends: set compression.download.method='none' and "
+                "compression.vote=False")
+        require(cfg.straggler.max_delay == 0,
+                "config.privacy.clip > 0 (DP-FedAvg) needs straggler.max_delay=0")
+        if dp.adaptive and dp.noise_multiplier > 0:
+            m = cfg.participation * cfg.partition.num_clients
+            std = dp.count_std if dp.count_std is not None else m / 20
+            require(dp.noise_multiplier < 2 * std,
+                    f"config.privacy.noise_multiplier = {dp.noise_multiplier} must be below "
+                    f"2 * privacy.count_std = {2 * std:g} with privacy.adaptive (the "
+                    f"update's share of the noise, (z^-2 - (2 sigma_b)^-2)^(-1/2), must be "
+                    f"real)")
+    else:
+        require(dp.noise_multiplier == 0 and not dp.adaptive,
+                "config.privacy.noise_multiplier and privacy.adaptive need privacy.clip > 0")
 
 
 def known_keys() -> List[str]:

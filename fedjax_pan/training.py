@@ -27,7 +27,7 @@ __all__ = ["COUNTERS", "Summary", "train", "train_into", "train_rounds", "evalua
 
 # What a run's summary adds up over all the processes that ran it (kept in checkpoints).
 COUNTERS = ("wall_seconds", "real_examples", "computed_examples", "compiles",
-            "compiles_after_first_round", "processes")
+            "compiles_after_first_round", "processes", "upload_bytes", "download_bytes")
 
 
 class Summary(dict):
@@ -132,6 +132,7 @@ class _Run:
         self.base = {k: base.get(k, 0) for k in COUNTERS}
         self.start = time.time()
         self.real = self.computed = self.rounds = 0
+        self.upload = self.download = 0.0
         self.compiles = setup_compiles
         self.first_round_compiles: Optional[int] = None
 
@@ -141,7 +142,7 @@ class _Run:
         own = {"wall_seconds": time.time() - self.start, "real_examples": self.real,
                "computed_examples": self.computed, "compiles": self.compiles,
                "compiles_after_first_round": self.compiles - self.first_round_compiles,
-               "processes": 1}
+               "processes": 1, "upload_bytes": self.upload, "download_bytes": self.download}
         return {k: self.base[k] + own[k] for k in COUNTERS}
 
 
@@ -227,11 +228,19 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                                "upload_bytes": stats["upload_bytes"],
                                **({"download_bytes": stats["download_bytes"]}
                                   if "download_bytes" in stats else {}),
+                               # every round's bytes so far, unevaluated rounds included
+                               "upload_bytes_total": (run.base["upload_bytes"] + run.upload
+                                                      + stats["upload_bytes"]),
+                               "download_bytes_total": (run.base["download_bytes"]
+                                                        + run.download
+                                                        + stats.get("download_bytes", 0.0)),
                                # simulated time and arrivals (stragglers: engine/timing.py)
                                **{k: v for k, v in stats.items() if k.startswith("sim_")},
                                "seconds": time.time() - t0}
                         for name, probe in exp.probes.items():
                             row[name] = probe(evaluated, net)["accuracy"]
+                        for name, field in exp.round_fields.items():
+                            row[name] = field(r)
                         if exp.client_evaluate is not None:
                             row.update(evaluate_clients(exp, new_state, net, evaluated))
                         if cfg.eval.local:
@@ -243,6 +252,8 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                     run.rounds += 1
                     run.real += stats["real_examples"]
                     run.computed += stats["computed_examples"]
+                    run.upload += stats["upload_bytes"]
+                    run.download += stats.get("download_bytes", 0.0)
                     run.compiles = exp.setup_compiles + compiles.count
                     if run.first_round_compiles is None:
                         run.first_round_compiles = run.compiles

@@ -74,12 +74,21 @@ def _engine_configs(results):
 def test_every_section_is_present(quick):
     _, results, _ = quick
     for section in ("meta", "settings", "matmul", "mlp", "padding", "vgg", "scaling",
-                    "profile", "algorithms", "defences", "grouped_conv", "throughput",
+                    "profile", "algorithms", "defences", "compression", "grouped_conv",
+                    "throughput",
                     "compiles", "memory", "targets", "total_seconds"):
         assert section in results, section
     from benchmarks.sections.defences import QUICK
     for rows in results["defences"]["per_round"].values():
         assert set(rows) == set(QUICK) and rows["mean (FedAvg)"]["vs_fedavg"] == 1.0
+    from benchmarks.sections import compression
+    methods = results["compression"]["methods"]
+    assert set(methods) == set(compression.QUICK) and methods["fedavg"]["vs_fedavg"] == 1.0
+    # Top-k sends 10% of the values and a bitmap; QSGD 6 bits a value; DP all of them.
+    full = methods["fedavg"]["upload_mib"]
+    assert 0.1 * full < methods["top_k 10%"]["upload_mib"] < 0.14 * full
+    assert methods["qsgd 16 levels"]["upload_mib"] == pytest.approx(6 / 32 * full, rel=1e-3)
+    assert methods["dp clipping (z = 1)"]["upload_mib"] == full
     from fedjax_pan.algorithms import ALGORITHMS
     algos = results["algorithms"]["algorithms"]
     drivers = results["algorithms"]["drivers"]
@@ -171,7 +180,7 @@ def test_suite_records_engine_naive_agreement(quick):
 def test_targets_and_reports_are_written(quick):
     out, results, stdout = quick
     names = [t["name"] for t in results["targets"]]
-    assert len(names) == 16
+    assert len(names) == 19
     for t in results["targets"]:  # the PyTorch target is n/a where torch is not installed
         torch_target = "PyTorch" in t["name"] and not pytorch_style.available()
         assert t["status"] in (("n/a",) if torch_target else ("PASS", "MISS")), t

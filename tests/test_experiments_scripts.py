@@ -691,3 +691,77 @@ def test_robustness_smoke_writes_its_table(tmp_path):
             assert all("sim_time" in c for c in curve)
     for name in ("robustness.png", "robustness_curves.png"):
         assert os.path.getsize(os.path.join(out, name)) > 10_000
+
+
+def test_compression_configs_and_table_by_hand():
+    """Every run of each preset is a valid config setting what its method names; rows and
+    the summary are worked out by hand against FedAvg's run of the same split."""
+    from experiments import compression
+    from fedjax_pan import experiment
+    for preset in ("cpu", "paper", "smoke"):
+        s = compression.PRESETS[preset]
+        for job in compression.jobs(s, s.datasets):
+            cfg = compression.run_config(s, job)
+            experiment.validate(cfg)
+            assert (cfg.compression.upload.method != "none") == (job.method != "fedavg")
+    s = compression.PRESETS["cpu"]
+    assert len(compression.jobs(s, s.datasets)) == 15 * 5
+    cfg = compression.run_config(s, compression.Job("fashion_mnist", "dir25", "premask_50", 0))
+    assert (cfg.partition.alpha, cfg.compression.mask_before) == (0.25, "magnitude")
+
+    def curve(accs, up, down):
+        return [{"round": r + 1, "test_accuracy": a, "upload_bytes_total": up * (r + 1),
+                 "download_bytes_total": down * (r + 1)} for r, a in enumerate(accs)]
+    todo = [compression.Job("d", "iid", m, 0) for m in ("fedavg", "top_k_10")]
+    results = [(None, False, curve([0.5, 0.8, 0.8, 0.8], 100.0, 100.0)),
+               (None, False, curve([0.2, 0.7, 0.78, 0.79], 10.0, 100.0))]
+    base, top = compression.run_rows(todo, results, s)
+    assert base["volume"] == 1.0 and base["rounds_to_target"] == 2.0
+    assert top["accuracy"] == pytest.approx((0.7 + 0.78 + 0.79) / 3)
+    assert top["accuracy_kept"] == pytest.approx(top["accuracy"] / 0.8)
+    assert top["rounds_to_target"] == 3.0  # first >= 0.95 x 0.8 = 0.76
+    assert top["volume"] == pytest.approx(440 / 800) and top["upload_volume"] == 0.1
+    lines = compression.report(compression.summarize([base, top]), s, {"mnist": "no files"})
+    assert lines[0] == "not run: mnist (no files)"
+    kept = 100 * top["accuracy"] / 0.8
+    assert f"  {'top_k_10':<16}{kept:13.1f}%{45.0:12.1f}%{90.0:13.1f}%" in lines
+
+
+def test_privacy_configs_and_rows():
+    from experiments import privacy
+    from fedjax_pan import experiment
+    for preset in ("cpu", "paper", "smoke"):
+        s = privacy.PRESETS[preset]
+        for job in privacy.jobs(s):
+            cfg = privacy.run_config(s, job)
+            experiment.validate(cfg)
+            assert (cfg.privacy.clip > 0) == (job.mode != "none")
+            assert cfg.privacy.adaptive == (job.mode == "adaptive")
+            assert cfg.sampling == "poisson"
+    row = privacy.run_row(privacy.Job("fixed", 1.0, 0),
+                          [{"round": r, "test_accuracy": a, "dp_epsilon": e} for r, a, e in
+                           ((5, 0.5, 1.0), (10, 0.6, 1.5), (15, 0.7, 2.0), (20, 0.8, 2.4))],
+                          False)
+    assert row["accuracy"] == pytest.approx(0.7) and row["epsilon"] == 2.4
+
+
+@pytest.mark.slow  # about 60 s
+def test_compression_and_privacy_smoke_write_their_tables(tmp_path, capsys):
+    from experiments import compression, privacy
+    out = str(tmp_path / "c")
+    assert compression.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    table = common.read_csv(os.path.join(out, "compression.csv"))
+    assert {r["method"] for r in table} == set(compression.PRESETS["smoke"].methods)
+    for r in table:
+        assert float(r["volume"]) <= 1.0 if r["method"] != "fedavg" else \
+            float(r["volume"]) == 1.0
+    assert os.path.getsize(os.path.join(out, "compression.png")) > 10_000
+    printed = capsys.readouterr().out
+    assert "accuracy kept" in printed and "bytes saved" in printed
+    out = str(tmp_path / "p")
+    assert privacy.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    table = common.read_csv(os.path.join(out, "privacy.csv"))
+    eps = {(r["mode"], float(r["noise_multiplier"])): float(r["epsilon"]) for r in table}
+    assert math.isinf(eps[("none", 0.0)]) and math.isinf(eps[("fixed", 0.0)])
+    assert 0 < eps[("fixed", 1.0)] < eps[("adaptive", 0.5)] < math.inf
+    assert "epsilon" in capsys.readouterr().out

@@ -12,7 +12,7 @@ from fedjax_pan.algorithms import registry
 from fedjax_pan.defaults import default_config
 
 PERSONALISED = ["local", "fedper", "lg_fedavg", "fedbn", "fedrep", "ditto", "apfl", "fedala",
-                "perfedavg", "perfedavg_hf", "pfedme", "fedrod", "ktpfl"]
+                "perfedavg", "perfedavg_hf", "pfedme", "fedrod", "ktpfl", "pfedeff"]
 PUBLIC = jnp.asarray(np.random.default_rng(0).normal(size=(12, 6, 6, 1)), jnp.float32)
 
 
@@ -43,7 +43,7 @@ def test_personalised_algorithms_loop_vmap_and_reference_agree(name):
     assert mine is not None, "a personalised algorithm evaluates personal models"
     assert max_rel_err(mine, sim.personal_evaluation(vmap[-1])) < 1e-5
     # Something trained: the global model or the clients' own state moved.
-    moved = max(max_rel_err(ref.server.params, variables["params"]),
+    moved = max(max_rel_err(sim.evaluation(ref.server)[1]["params"], variables["params"]),
                 max_rel_err(jax.tree_util.tree_leaves(ref.client_states),
                             jax.tree_util.tree_leaves(sim.init(variables).client_states))
                 if ref.client_states is not None else 0.0)

@@ -306,9 +306,20 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
     # The clients' reports, stacked for `absorb` (phase 2 reports nothing: a sum of ()).
     aggregator = (weighted_sum if phase == "distill"
                   else Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True))
+    def download_bytes(server, client_ids, round_index):
+        # Each client receives its personalised target (P, C), not a model.
+        del round_index
+        return client_ids.shape[0] * target_bytes(server.soft)
+
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
-                              aggregator=aggregator, personal_variables=personal_variables)
+                              aggregator=aggregator, personal_variables=personal_variables,
+                              download_bytes=download_bytes)
+
+
+def target_bytes(soft: jax.Array) -> int:
+    """Bytes of one client's target: a (P, C) slice of the soft predictions (N, P, C)."""
+    return int(np.prod(soft.shape[1:])) * soft.dtype.itemsize
 
 
 # ----------------------------------------------------------------------------------------
@@ -527,7 +538,9 @@ class KtMixed:
         computed = sums.pop("computed_examples")
         upload = sums.pop("upload_bytes")
         stats = self.services.statistics(sums, real_examples=real, computed_examples=computed,
-                                         upload_bytes=upload)
+                                         upload_bytes=upload,
+                                         download_bytes=float(len(ids) * target_bytes(
+                                             state.server.soft)))
         return SimState(server, states, r + 1), stats
 
 

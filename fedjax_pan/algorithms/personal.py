@@ -27,7 +27,7 @@ import optax
 from flax import traverse_util
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
 from fedjax_pan.algorithms.fedavg import ServerState
 
 PyTree = Any
@@ -128,9 +128,17 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
         params, model_state = combined(server, client_state)
         return {"params": params, **model_state}
 
+    def download_bytes(server, client_ids, round_index):
+        # Only the shared parameters and statistics are sent.
+        del round_index
+        shared = (split_params(server.params, personal)[0],
+                  {c: split_params(s, personal)[0] for c, s in server.model_state.items()})
+        return client_ids.shape[0] * tree_bytes(shared)
+
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
-                              personal_variables=personal_variables)
+                              personal_variables=personal_variables,
+                              download_bytes=download_bytes)
 
 
 def _entry(name: str) -> AlgorithmEntry:

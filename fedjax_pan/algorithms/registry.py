@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Optional
 
 import flax.linen as nn
+import jax
 import optax
 
 from fedjax_pan.algorithms import core
@@ -29,11 +30,14 @@ from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.moon import ENTRY as MOON
 from fedjax_pan.algorithms.perfedavg import ENTRY as PERFEDAVG
 from fedjax_pan.algorithms.personal import ENTRIES as PERSONAL
+from fedjax_pan.algorithms.pfedeff import ENTRY as PFEDEFF
 from fedjax_pan.algorithms.pfedme import ENTRY as PFEDME
 from fedjax_pan.algorithms.scaffold import ENTRY as SCAFFOLD
 from fedjax_pan.algorithms.siren import ENTRY as SIREN
-from fedjax_pan.algorithms import attacks
+from fedjax_pan import compression
+from fedjax_pan.algorithms import attacks, compressed, dp, local
 from fedjax_pan.engine import robust, staleness
+from fedjax_pan.engine.simulation import clients_per_round
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
 AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "multi_krum", "geometric_median",
@@ -76,6 +80,7 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "pfedme": PFEDME,
     "fedrod": FEDROD,
     "fedala": FEDALA,
+    "pfedeff": PFEDEFF,
     "ktpfl": KTPFL,
     "siren": SIREN,
 }
@@ -175,3 +180,36 @@ def attack_from_config(algorithm: FederatedAlgorithm, cfg: Any, num_clients: int
     attack = attacks.Attack(a.kind, num_classes, scale, a.target, a.poisoned, a.start_round)
     return attacks.with_attack(algorithm, attack,
                                attacks.draw_malicious(a.fraction, num_clients, cfg.seed))
+
+
+def _transform(side: Any) -> Any:
+    return compression.from_name(side.method, side.ratio, side.levels, side.bits,
+                                 side.error_feedback, side.quantize_bits)
+
+
+def communication_from_config(algorithm: FederatedAlgorithm, cfg: Any, model: nn.Module,
+                              variables: Any, num_clients: int) -> FederatedAlgorithm:
+    """`algorithm` with `config.compression`'s transforms and `config.privacy`'s DP-FedAvg
+    (unchanged when both are off): clients compress what they send, then clip it."""
+    c, p = cfg.compression, cfg.privacy
+    if c.upload.method != "none" or c.download.method != "none" or c.mask_before != "none":
+        mask = None
+        if c.mask_before != "none":
+            mask = compressed.MaskBefore(c.upload.ratio, c.mask_before, c.mask_l1,
+                                         cfg.optimizer.lr)
+
+        def grad_fn(params, model_state, batch):
+            return jax.grad(lambda w: local.mean_loss(model, w, model_state, batch)[0])(params)
+        algorithm = compressed.with_compression(
+            algorithm, variables, _transform(c.upload),
+            target="model" if c.upload.method.endswith("_mask") else "update",
+            download=None if c.download.method == "none" else _transform(c.download),
+            num_clients=num_clients, vote=c.vote, mask_before=mask, grad_fn=grad_fn)
+    if p.clip > 0:
+        sampled = (cfg.participation * num_clients if cfg.sampling == "poisson"
+                   else clients_per_round(cfg.participation, num_clients))
+        adaptive = (dp.AdaptiveClip(p.quantile, p.clip_lr, p.count_std) if p.adaptive
+                    else None)
+        algorithm = dp.with_dp(algorithm, p.clip, p.noise_multiplier, sampled, cfg.seed,
+                               adaptive)
+    return algorithm

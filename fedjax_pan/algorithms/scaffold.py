@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
 from fedjax_pan.algorithms.fedavg import ServerState, fedavg
 from fedjax_pan.rules import between
 
@@ -138,8 +138,14 @@ def scaffold(model: nn.Module, client_tx: optax.GradientTransformation, lr: floa
     def eval_variables(server):
         return base.eval_variables(server.base)
 
+    def download_bytes(server, client_ids, round_index):
+        # The model and the server control variate c.
+        del round_index
+        return client_ids.shape[0] * tree_bytes((eval_variables(server), server.c))
+
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables)
+                              client_output, server_update, eval_variables,
+                              download_bytes=download_bytes)
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,

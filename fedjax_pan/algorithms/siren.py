@@ -37,7 +37,8 @@ import numpy as np
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, Aggregator, FederatedAlgorithm
+from fedjax_pan.algorithms.core import (AlgorithmEntry, Aggregator, FederatedAlgorithm,
+                                        tree_bytes)
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.engine.robust import public_scorer
 from fedjax_pan.engine.services import Services, SimState
@@ -221,7 +222,10 @@ class Siren:
         upload = float(sums.pop("upload_bytes"))
         stats = self.services.statistics(sums, real_examples=self.services.real_examples(ids),
                                          computed_examples=result.computed_examples,
-                                         upload_bytes=upload)
+                                         upload_bytes=upload,
+                                         download_bytes=float(len(ids) * tree_bytes(
+                                             {"params": s.base.params,
+                                              **s.base.model_state})))
         stats.update(train_alarms=float(alarm.sum()), train_rejected=float((~use).sum()))
         return SimState(server, client_states, t + 1), stats
 

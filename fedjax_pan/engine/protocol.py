@@ -19,6 +19,7 @@ Every function takes its state first, then its inputs, and returns the new state
                                                      (optional; Per-FedAvg's one step)
     aggregator                                    how outputs become `aggregate`
     upload_bytes(output, local_state)             -> bytes sent (optional)
+    download_bytes(server_state, client_ids, round) -> bytes the cohort receives (optional)
     model_view                                    the model an output stands for, and
                                                   back (optional; attacks and model-space
                                                   defences need it)
@@ -106,6 +107,10 @@ class Aggregator(NamedTuple):
     stacked: bool = False
     space: str = "output"
     score: Optional[Callable[[PyTree], Dict[str, Any]]] = None
+    # True: a round without clients (Poisson sampling) still runs the server update, on a
+    # zero sum and total weight 0 (DP-FedAvg's fixed denominator adds its noise); False:
+    # the server stays as it was.
+    closes_empty: bool = False
 
 
 def _mean(output_sum: PyTree, total_weight: Any) -> PyTree:
@@ -204,6 +209,9 @@ class FederatedAlgorithm(NamedTuple):
     personal_adapt: Optional[Callable[[PyTree, PyTree, PyTree], PyTree]] = None
     # How outputs map to models (None: they do not, e.g. predictions or control variates).
     model_view: Optional[ModelView] = None
+    # download_bytes(server_state, client_ids (M,), round) -> bytes the M clients receive
+    # (None: each the whole `eval_variables(server_state)`).
+    download_bytes: Optional[Callable[[PyTree, Any, Any], Any]] = None
 
 
 def stacked_entries(algorithm: FederatedAlgorithm, server: PyTree, outputs: PyTree

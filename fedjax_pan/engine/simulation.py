@@ -1,7 +1,8 @@
 """One federated round as a composition: sample, execute, aggregate, update.
 
 `Simulation` knows no algorithm by name: it samples clients (R fraction, without
-replacement, seeded by (seed, round) so a resumed run samples identically), hands them to
+replacement, or each client independently with probability R (Poisson), seeded by
+(seed, round) so a resumed run samples identically), hands them to
 an executor, averages the client outputs uniformly (the PAN paper) or by example count
 (FedAvg's n_k / n), and applies the algorithm's server update. Per-client persistent
 state (for algorithms that keep one) is stored for all K clients and gathered/scattered
@@ -20,13 +21,14 @@ import numpy as np
 from fedjax_pan.engine import timing
 from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, RoundInfo,
                                         placeholder_context, stacked_aggregate,
-                                        stacked_entries)
+                                        stacked_entries, tree_bytes)
 from fedjax_pan.engine.clients import (ClientData, LocalWork, client_keys, real_examples,
                                        step_batch)
 from fedjax_pan.engine.execution import Cohort, CohortResult
 
 PyTree = Any
 AGGREGATIONS = ("uniform", "num_examples")
+SAMPLINGS = ("uniform", "poisson")
 _DATA_STREAM, _ALGO_STREAM, _ADAPT_STREAM = 1, 2, 3
 
 
@@ -66,6 +68,15 @@ def sample_clients(seed: int, num_clients: int, num_sampled: int, round_index: i
     return np.sort(rng.choice(num_clients, num_sampled, replace=False))
 
 
+def poisson_clients(seed: int, num_clients: int, rate: float, round_index: int
+                    ) -> np.ndarray:
+    """The sorted ids of round `round_index`'s clients when each takes part independently
+    with probability `rate` (Poisson sampling: the cohort's size varies, and may be 0),
+    drawn from (seed, round) alone."""
+    rng = np.random.default_rng([seed, round_index])
+    return np.flatnonzero(rng.random(num_clients) < rate)
+
+
 @dataclasses.dataclass
 class Simulation:
     algorithm: FederatedAlgorithm
@@ -81,6 +92,9 @@ class Simulation:
     states_on_host: Optional[bool] = None
     # Clients that answer late and the server's policy (engine/timing.py); None: none.
     stragglers: Optional[timing.Stragglers] = None
+    # 'uniform': round(R K) clients a round without replacement; 'poisson': each client
+    # with probability R (`num_sampled` is then the expected count, rounded).
+    sampling: str = "uniform"
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -88,10 +102,16 @@ class Simulation:
                              f"{AGGREGATIONS}")
         if not 0.0 < self.participation <= 1.0:
             raise ValueError(f"participation R must lie in (0, 1], got {self.participation}")
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"unknown sampling {self.sampling!r}; expected one of {SAMPLINGS}")
+        if self.sampling == "poisson" and (self.stragglers is not None
+                                           and self.stragglers.max_delay > 0):
+            raise ValueError("Poisson sampling and stragglers are not available together")
         self.num_sampled = clients_per_round(self.participation, self.data.num_clients)
         self.steps = self.work.num_steps(self.data.sizes)
         self._data_key, self._algo_key = stream_keys(self.seed)
         self._server_update = jax.jit(self._aggregate_and_update)
+        self._model_bytes, self._download = None, None
         self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
             lambda a, n: a.at[ids].set(n), all_, new), donate_argnums=(0,))
         adapt = getattr(self.algorithm, "personal_adapt", None)
@@ -134,6 +154,9 @@ class Simulation:
     shapes_change = False
 
     def sample(self, round_index: int) -> np.ndarray:
+        if self.sampling == "poisson":
+            return poisson_clients(self.seed, self.data.num_clients, self.participation,
+                                   round_index)
         return sample_clients(self.seed, self.data.num_clients, self.num_sampled, round_index)
 
     def evaluation(self, server: PyTree) -> tuple:
@@ -249,6 +272,9 @@ class Simulation:
 
     def _synchronous(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
         cohort = self.cohort(state, state.round)
+        if not len(cohort.ids):
+            return self._empty_round(state)
+        download = self.download_bytes(state.server, cohort.ids, state.round)
         result = self.executor.run(state.server, cohort)
         weights = jnp.asarray(cohort.weights, jnp.float32)
         info = RoundInfo(jnp.int32(state.round), jnp.asarray(cohort.ids, jnp.int32),
@@ -258,7 +284,42 @@ class Simulation:
         client_states = self._store_states(state.client_states, cohort.ids,
                                            result.client_states)
         return (SimState(server, client_states, state.round + 1, state.timing),
-                self._statistics([result], cohort.ids))
+                {**self._statistics([result], cohort.ids), "download_bytes": download})
+
+    def download_bytes(self, server: PyTree, ids: np.ndarray, round_index: int) -> float:
+        """Bytes clients `ids` receive at round `round_index`: the algorithm's count, else
+        each the global model (`eval_variables`)."""
+        count = self.algorithm.download_bytes
+        if count is None:
+            if self._model_bytes is None:
+                self._model_bytes = tree_bytes(jax.eval_shape(self.algorithm.eval_variables,
+                                                              server))
+            return float(len(ids) * self._model_bytes)
+        if self._download is None:
+            self._download = jax.jit(count)
+        return float(self._download(server, jnp.asarray(ids, jnp.int32),
+                                    jnp.int32(round_index)))
+
+    def _empty_round(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
+        """A round nobody was sampled for (Poisson sampling): the server stays as it was,
+        or where its aggregator `closes_empty` (a fixed denominator) its update sees a zero
+        sum of outputs and a total weight 0."""
+        empty = {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
+                 "upload_bytes": 0.0, "download_bytes": 0.0}
+        agg = self.algorithm.aggregator
+        if not agg.closes_empty or agg.stacked:
+            return state._replace(round=state.round + 1), empty
+        ctx = placeholder_context(self.data.label_counts.shape[1])
+        one_state = None if state.client_states is None else jax.tree_util.tree_map(
+            lambda x: x[0], state.client_states)
+        alg = self.algorithm
+        shapes = jax.eval_shape(lambda s, c: alg.client_output(alg.client_init(s, c, ctx),
+                                                               s)[0], state.server, one_state)
+        zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        info = RoundInfo(jnp.int32(state.round), jnp.zeros(0, jnp.int32),
+                         jnp.zeros(0, jnp.float32), self.data.num_clients)
+        server = self._server_update(state.server, zeros, jnp.zeros(1, jnp.float32), info)
+        return SimState(server, state.client_states, state.round + 1, state.timing), empty
 
     # --- stragglers (engine/timing.py) -------------------------------------------------
 
@@ -321,6 +382,7 @@ class Simulation:
             staleness = np.zeros(len(ids), np.int64)
         else:
             new, stats, staleness = self._asynchronous(state, ids, plan, arriving)
+            stats["download_bytes"] = self.download_bytes(state.server, ids[plan.active], t)
         clock = np.array([now + plan.duration])
         stats.update(sim_time=float(clock[0]),
                      sim_arrivals=timing.arrivals_by_staleness(staleness, d),

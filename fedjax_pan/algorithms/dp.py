@@ -1,0 +1,169 @@
+"""DP-FedAvg (McMahan et al., ICLR 2018) as a wrapper over any algorithm whose output is an
+update (its `model_view`), with adaptive clipping (Andrew et al., NeurIPS 2021).
+
+Each client's update Delta_k = w_k - w is clipped to norm C; the server adds Gaussian
+noise once to the sum and divides by a fixed denominator, the expected number of clients
+m = qK (not the number that took part):
+
+    Delta = (sum_k Delta_k min(1, C / ||Delta_k||) + N(0, (z_Delta C)^2 I)) / m
+
+and hands Delta to the algorithm's server update as the mean output (FedAvg: w + Delta).
+Weights must be uniform (each client counts 1: the sensitivity is C).
+
+Adaptive clipping (`adaptive`): each client also sends b_k = 1[||Delta_k|| <= C]; the
+server estimates the fraction b = (sum_k b_k + N(0, sigma_b^2)) / m and moves C
+geometrically towards the target quantile gamma: C <- C exp(-eta (b - gamma)) (C0 0.1,
+gamma 0.5, eta 0.2, sigma_b = m / 20). The update's noise multiplier is then
+z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that both queries together cost the same as
+one Gaussian mechanism of multiplier z (their Thm. 1): the accountant uses z.
+
+The noise is drawn from (seed, round) alone. Models with non-trainable state (BatchNorm
+statistics) are refused: their statistics would be released without noise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_pan.algorithms.core import Aggregator, FederatedAlgorithm, tree_bytes
+from fedjax_pan.compression import clip_by_norm
+
+PyTree = Any
+tree_map = jax.tree_util.tree_map
+_NOISE_STREAM = 0xD9
+
+
+class AdaptiveClip(NamedTuple):
+    """Andrew et al.'s geometric update of the clip norm."""
+
+    quantile: float = 0.5  # gamma, the target fraction of unclipped updates
+    lr: float = 0.2  # eta
+    count_std: Optional[float] = None  # sigma_b; None: m / 20
+
+
+class DPServer(NamedTuple):
+    inner: PyTree
+    clip: jax.Array  # C this round
+
+
+class DPLocal(NamedTuple):
+    inner: PyTree
+    clip: jax.Array
+
+
+def update_noise_multiplier(z: float, count_std: float) -> float:
+    """z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (adaptive clipping's split)."""
+    if z <= 0:
+        return 0.0
+    rest = z ** -2 - (2.0 * count_std) ** -2
+    if rest <= 0:
+        raise ValueError(f"noise multiplier {z} leaves no noise for the update with the "
+                         f"counting query's sigma_b = {count_std}: needs z < 2 sigma_b")
+    return rest ** -0.5
+
+
+def _add_sum(output_sum: PyTree, total_weight: Any) -> PyTree:
+    del total_weight
+    return output_sum
+
+
+# The clients' sum as it is: the server update adds the noise and divides by m, also in a
+# round without clients.
+DP_SUM = Aggregator(_add_sum, closes_empty=True)
+
+
+def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
+            expected_clients: float, seed: int, adaptive: Optional[AdaptiveClip] = None
+            ) -> FederatedAlgorithm:
+    """`algorithm` under DP-FedAvg with clip norm `clip` (adaptive: its initial value),
+    noise multiplier z = `noise_multiplier`, fixed denominator m = `expected_clients`."""
+    view = algorithm.model_view
+    if view is None:
+        raise ValueError("DP-FedAvg clips an update, and this algorithm's output is not one")
+    if clip <= 0 or expected_clients <= 0 or noise_multiplier < 0:
+        raise ValueError(f"DP-FedAvg needs clip > 0, expected clients > 0 and a noise "
+                         f"multiplier >= 0, got {clip}, {expected_clients}, {noise_multiplier}")
+    m = float(expected_clients)
+    count_std = None
+    z_update = noise_multiplier
+    if adaptive is not None:
+        count_std = adaptive.count_std if adaptive.count_std is not None else m / 20.0
+        z_update = update_noise_multiplier(noise_multiplier, count_std)
+    base_key = jax.random.fold_in(jax.random.PRNGKey(seed), _NOISE_STREAM)
+
+    def server_init(variables):
+        inner = algorithm.server_init(variables)
+        state = algorithm.eval_variables(inner)
+        if jax.tree_util.tree_leaves({k: v for k, v in state.items() if k != "params"}):
+            raise ValueError("DP-FedAvg releases only noised parameters, and this model keeps "
+                             "non-trainable state (BatchNorm statistics): use a model without "
+                             "it, e.g. model.norm='group'")
+        return DPServer(inner, jnp.float32(clip))
+
+    def client_init(server, client_state, ctx):
+        return DPLocal(algorithm.client_init(server.inner, client_state, ctx), server.clip)
+
+    def client_step(local, batch, server):
+        inner, metrics = algorithm.client_step(local.inner, batch, server.inner)
+        return local._replace(inner=inner), metrics
+
+    def client_output(local, server):
+        output, client_state = algorithm.client_output(local.inner, server.inner)
+        model = view.to_model(server.inner, output)
+        broadcast = algorithm.eval_variables(server.inner)["params"]
+        update = tree_map(jnp.subtract, model["params"], broadcast)
+        clipped, norm = clip_by_norm(update, local.clip)
+        sent = view.to_output(server.inner, {**model, "params": tree_map(jnp.add, broadcast,
+                                                                         clipped)})
+        out = {"update": sent}
+        if adaptive is not None:
+            out["unclipped"] = (norm <= local.clip).astype(jnp.float32)
+        return out, client_state
+
+    def upload_bytes(output, local):
+        inner = (algorithm.upload_bytes(output["update"], local.inner)
+                 if algorithm.upload_bytes is not None else tree_bytes(output["update"]))
+        return inner + (1 if adaptive is not None else 0)  # the bit b_k, in one byte
+
+    def server_update(server, aggregate, info):
+        key = jax.random.fold_in(base_key, info.round)
+        k_update, k_count = jax.random.split(key)
+        broadcast = algorithm.eval_variables(server.inner)["params"]
+        # The sum of outputs stands for the sum of clipped updates (the view is linear).
+        total = tree_map(jnp.subtract, view.to_model(server.inner, aggregate["update"])["params"],
+                         broadcast)
+        leaves, treedef = jax.tree_util.tree_flatten(total)
+        keys = jax.random.split(k_update, len(leaves))
+        std = z_update * server.clip
+        noised = jax.tree_util.tree_unflatten(treedef, [
+            (v + std * jax.random.normal(k, v.shape, jnp.float32)).astype(v.dtype) / m
+            for v, k in zip(leaves, keys)])
+        mean = view.to_output(server.inner, {**view.to_model(server.inner, aggregate["update"]),
+                                             "params": tree_map(jnp.add, broadcast, noised)})
+        inner = algorithm.server_update(server.inner, mean, info)
+        c = server.clip
+        if adaptive is not None:
+            b = (aggregate["unclipped"] + count_std * jax.random.normal(k_count)) / m
+            c = c * jnp.exp(-adaptive.lr * (b - adaptive.quantile))
+        return DPServer(inner, c.astype(jnp.float32))
+
+    return algorithm._replace(
+        server_init=server_init,
+        client_state_init=lambda server: algorithm.client_state_init(server.inner),
+        client_init=client_init, client_step=client_step, client_output=client_output,
+        server_update=server_update,
+        eval_variables=lambda server: algorithm.eval_variables(server.inner),
+        aggregator=DP_SUM, upload_bytes=upload_bytes, model_view=None,
+        download_bytes=None if algorithm.download_bytes is None else (
+            lambda server, ids, r: algorithm.download_bytes(server.inner, ids, r)),
+        personal_variables=None if algorithm.personal_variables is None else (
+            lambda server, cs: algorithm.personal_variables(server.inner, cs)),
+        personal_adapt=None if algorithm.personal_adapt is None else (
+            lambda server, cs, batch: algorithm.personal_adapt(server.inner, cs, batch)))
+
+
+__all__ = ["AdaptiveClip", "DPServer", "DPLocal", "DP_SUM", "update_noise_multiplier",
+           "with_dp"]

@@ -1,0 +1,102 @@
+"""Client-level privacy accounting for DP-FedAvg: epsilon at a given delta after t rounds,
+from the `dp-accounting` package's RDP accountant (Mironov 2017), composing one sampled
+Gaussian mechanism a round:
+
+    Poisson sampling (rate q)       PoissonSampledDpEvent(q, GaussianDpEvent(z))
+                                    (add or remove one client)
+    uniform, M of K per round       SampledWithoutReplacementDpEvent(K, M, GaussianDpEvent(z))
+                                    (replace one client: RDP's bound for this sampling)
+
+z is the noise multiplier of the whole round. With adaptive clipping the update's and the
+counting query's noises together are one Gaussian mechanism of multiplier z (Andrew et al.
+2021, the split `algorithms.dp.update_noise_multiplier`), so the account is the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator, Optional, Sequence
+
+import dp_accounting
+from dp_accounting import dp_event, rdp
+
+SAMPLINGS = ("uniform", "poisson")
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # The accountant logs a warning for every fractional order whose series it cuts off
+    # (those orders are left out of the minimum, as documented); they are not ours to act on.
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def round_event(noise_multiplier: float, sampling: str, num_clients: int,
+                clients_per_round: int, rate: Optional[float] = None) -> dp_event.DpEvent:
+    """One round's DP event (module docstring); `rate` q for Poisson sampling (default
+    clients_per_round / num_clients)."""
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"unknown sampling {sampling!r}; expected one of {SAMPLINGS}")
+    gaussian = dp_event.GaussianDpEvent(noise_multiplier)
+    if sampling == "poisson":
+        q = clients_per_round / num_clients if rate is None else rate
+        return dp_event.PoissonSampledDpEvent(q, gaussian)
+    return dp_event.SampledWithoutReplacementDpEvent(num_clients, clients_per_round, gaussian)
+
+
+def make_accountant(sampling: str, orders: Optional[Sequence[float]] = None
+                    ) -> rdp.RdpAccountant:
+    relation = (dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE if sampling == "poisson"
+                else dp_accounting.NeighboringRelation.REPLACE_ONE)
+    return rdp.RdpAccountant(orders, relation) if orders else rdp.RdpAccountant(
+        neighboring_relation=relation)
+
+
+def epsilon(noise_multiplier: float, rounds: int, delta: float, sampling: str,
+            num_clients: int, clients_per_round: int, rate: Optional[float] = None) -> float:
+    """Epsilon at `delta` after `rounds` rounds (inf for z = 0, 0 for no round)."""
+    if rounds <= 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return float("inf")
+    accountant = make_accountant(sampling)
+    with _quiet():
+        accountant.compose(round_event(noise_multiplier, sampling, num_clients,
+                                       clients_per_round, rate), rounds)
+        return float(accountant.get_epsilon(delta))
+
+
+class Ledger:
+    """Epsilon round after round for one run (compositions are cached: each call adds the
+    rounds since the last)."""
+
+    def __init__(self, noise_multiplier: float, delta: float, sampling: str,
+                 num_clients: int, clients_per_round: int, rate: Optional[float] = None):
+        self.args = (noise_multiplier, sampling, num_clients, clients_per_round, rate)
+        self.delta = delta
+        self._accountant = make_accountant(sampling)
+        self._rounds = 0
+
+    def epsilon(self, rounds: int) -> float:
+        """Epsilon at the ledger's delta after `rounds` rounds."""
+        z = self.args[0]
+        if rounds <= 0:
+            return 0.0
+        if z <= 0:
+            return float("inf")
+        if rounds < self._rounds:  # a resumed or replayed run: start over
+            self._accountant, self._rounds = make_accountant(self.args[1]), 0
+        with _quiet():
+            if rounds > self._rounds:
+                self._accountant.compose(round_event(*self.args), rounds - self._rounds)
+                self._rounds = rounds
+            return float(self._accountant.get_epsilon(self.delta))
+
+
+__all__ = ["SAMPLINGS", "round_event", "make_accountant", "epsilon", "Ledger"]

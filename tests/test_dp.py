@@ -1,0 +1,174 @@
+"""DP-FedAvg: clipped updates, the fixed denominator and the noise's measured std, adaptive
+clipping's geometric step by hand, the split noise multiplier, Poisson rounds without
+clients, refusals, and a config run logging a growing epsilon."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_clients, tiny_fedavg
+from fedjax_pan import compression as comp
+from fedjax_pan import experiment, privacy
+from fedjax_pan.algorithms import dp
+from fedjax_pan.algorithms.core import RoundInfo
+from fedjax_pan.engine import LocalWork, Simulation, make_executor
+from fedjax_pan.errors import ConfigError
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_experiment import config, metrics  # noqa: E402
+
+WORK = LocalWork(batch_size=8, epochs=1)
+MODEL, VARIABLES, FEDAVG = tiny_fedavg()
+_, CLIENTS = tiny_clients([20, 30, 25, 18, 22, 16])
+tree_map = jax.tree_util.tree_map
+
+
+def _sim(algo, participation=0.5, sampling="uniform"):
+    ex = make_executor("loop", algo, WORK, CLIENTS, VARIABLES, 3)
+    return Simulation(algo, CLIENTS, WORK, ex, participation, seed=0, sampling=sampling)
+
+
+def _norm(tree):
+    return float(np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2)
+                             for x in jax.tree_util.tree_leaves(tree))))
+
+
+def test_updates_are_clipped_and_averaged_over_the_expected_count():
+    clip, m = 0.01, 4.0  # m: a fixed denominator other than the 3 who took part
+    algo = dp.with_dp(FEDAVG, clip, 0.0, m, seed=0)
+    sim = _sim(algo)
+    state = sim.init(VARIABLES)
+    plain = _sim(FEDAVG)
+    outs = plain.client_updates(plain.init(VARIABLES))
+    assert all(_norm(o["delta"]) > clip for o in outs)  # every client is clipped here
+    mine = sim.client_updates(state)
+    for o, p in zip(mine, outs):
+        assert _norm(o["update"]["delta"]) <= clip * (1 + 1e-5)
+        np.testing.assert_allclose(_norm(o["update"]["delta"]), clip, rtol=1e-5)
+        ratio = clip / _norm(p["delta"])
+        for a, b in zip(jax.tree_util.tree_leaves(o["update"]["delta"]),
+                        jax.tree_util.tree_leaves(p["delta"])):
+            np.testing.assert_allclose(a, b * ratio, rtol=1e-4, atol=1e-8)
+    new, _ = sim.round(state)
+    want = tree_map(lambda w, *d: w + sum(d) / m, state.server.inner.params,
+                    *[o["update"]["delta"] for o in mine])
+    for a, b in zip(jax.tree_util.tree_leaves(new.server.inner.params),
+                    jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_the_noise_has_std_z_times_clip_over_m():
+    z, clip, m = 1.3, 0.7, 5.0
+    algo = dp.with_dp(FEDAVG, clip, z, m, seed=3)
+    server = algo.server_init(VARIABLES)
+    zero = {"update": {"delta": tree_map(jnp.zeros_like, VARIABLES["params"]),
+                       "model_state": {}}}
+    update = jax.jit(algo.server_update)
+    draws = []
+    for r in range(40):
+        info = RoundInfo(jnp.int32(r), jnp.zeros(3, jnp.int32), jnp.ones(3) / 3, 6)
+        new = update(server, zero, info)
+        draws.append(np.concatenate([np.ravel(a - b) for a, b in zip(
+            jax.tree_util.tree_leaves(new.inner.params),
+            jax.tree_util.tree_leaves(server.inner.params))]))
+    draws = np.stack(draws)  # 40 rounds x d coordinates
+    n = draws.size
+    assert abs(draws.mean()) < 4 * z * clip / m / np.sqrt(n)
+    # The sample std of n normals is within 4 / sqrt(2n) of the truth (relative).
+    np.testing.assert_allclose(draws.std(), z * clip / m, rtol=4 / np.sqrt(2 * n))
+    assert not np.allclose(draws[0], draws[1])  # fresh noise each round
+    again = update(server, zero, RoundInfo(jnp.int32(0), jnp.zeros(3, jnp.int32),
+                                           jnp.ones(3) / 3, 6))
+    np.testing.assert_array_equal(  # from (seed, round) alone
+        np.concatenate([np.ravel(a - b) for a, b in zip(
+            jax.tree_util.tree_leaves(again.inner.params),
+            jax.tree_util.tree_leaves(server.inner.params))]), draws[0])
+
+
+def test_adaptive_clipping_steps_the_norm_geometrically_by_hand():
+    quantile, lr, clip = 0.5, 0.2, 0.1
+    adaptive = dp.AdaptiveClip(quantile, lr, count_std=1e-9)  # the count's noise: none
+    algo = dp.with_dp(FEDAVG, clip, 0.0, 3.0, seed=0, adaptive=adaptive)
+    sim = _sim(algo)
+    state = sim.init(VARIABLES)
+    outs = sim.client_updates(state)
+    below = sum(float(o["unclipped"]) for o in outs)
+    norms = [_norm(o["update"]["delta"]) for o in outs]
+    assert below == sum(n < clip * (1 - 1e-6) for n in norms)
+    new, stats = sim.round(state)
+    np.testing.assert_allclose(float(new.server.clip),
+                               clip * np.exp(-lr * (below / 3 - quantile)), rtol=1e-6)
+    assert stats["upload_bytes"] == 3 * (comp.message_bytes(comp.identity(),
+                                                            VARIABLES["params"]) + 1)
+
+
+def test_split_noise_multiplier():
+    # (z^-2 - (2 sigma_b)^-2)^(-1/2): z = 1, sigma_b = 1 -> (1 - 1/4)^(-1/2).
+    np.testing.assert_allclose(dp.update_noise_multiplier(1.0, 1.0), (0.75) ** -0.5)
+    assert dp.update_noise_multiplier(0.0, 1.0) == 0.0
+    with pytest.raises(ValueError, match="z < 2 sigma_b"):
+        dp.update_noise_multiplier(2.0, 1.0)
+
+
+def test_poisson_rounds_without_clients_still_add_noise():
+    algo = dp.with_dp(FEDAVG, 0.1, 1.0, 0.06, seed=0)
+    sim = _sim(algo, participation=0.01, sampling="poisson")
+    state = sim.init(VARIABLES)
+    empty = [r for r in range(20) if len(sim.sample(r)) == 0]
+    assert empty, "q = 0.01 of 6 clients: most rounds sample nobody"
+    state = state._replace(round=empty[0])
+    new, stats = sim.round(state)
+    assert stats["upload_bytes"] == 0 and stats["download_bytes"] == 0
+    assert new.round == empty[0] + 1
+    moved = [np.abs(np.asarray(a - b)).max() for a, b in zip(
+        jax.tree_util.tree_leaves(new.server.inner.params),
+        jax.tree_util.tree_leaves(state.server.inner.params))]
+    assert max(moved) > 0
+    # Without a fixed denominator an empty round leaves the server as it was.
+    plain = _sim(FEDAVG, participation=0.01, sampling="poisson")
+    s0 = plain.init(VARIABLES)._replace(round=empty[0])
+    s1, _ = plain.round(s0)
+    for a, b in zip(jax.tree_util.tree_leaves(s1.server), jax.tree_util.tree_leaves(s0.server)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_poisson_sampling_is_seeded_and_has_the_expected_size():
+    sim = _sim(FEDAVG, participation=0.5, sampling="poisson")
+    sizes = [len(sim.sample(r)) for r in range(400)]
+    assert len(set(sizes)) > 3
+    assert abs(np.mean(sizes) - 3.0) < 4 * np.sqrt(6 * 0.25 / 400)
+    np.testing.assert_array_equal(sim.sample(7), _sim(FEDAVG, 0.5, "poisson").sample(7))
+
+
+def test_refusals():
+    bn_model, bn_variables, bn_algo = tiny_fedavg(norm="batch")
+    algo = dp.with_dp(bn_algo, 1.0, 1.0, 3.0, seed=0)
+    with pytest.raises(ValueError, match="BatchNorm"):
+        algo.server_init(bn_variables)
+    with pytest.raises(ValueError, match="clip > 0"):
+        dp.with_dp(FEDAVG, 0.0, 1.0, 3.0, seed=0)
+    for changes, match in (
+            ({"privacy__clip": 1.0, "aggregation__weights": "num_examples"}, "uniform"),
+            ({"privacy__noise_multiplier": 1.0}, "need privacy.clip > 0"),
+            ({"privacy__clip": 1.0, "privacy__adaptive": True,
+              "privacy__noise_multiplier": 2.0, "partition__num_clients": 20,
+              "participation": 0.5}, "must be below 2"),
+            ({"privacy__clip": 1.0, "aggregation__rule": "median"}, "rule must be 'mean'")):
+        with pytest.raises(ConfigError, match=match):
+            experiment.validate(config(**changes))
+
+
+def test_config_run_logs_a_growing_epsilon(tmp_path):
+    cfg = config(rounds=3, privacy__clip=0.05, privacy__noise_multiplier=1.1,
+                 privacy__delta=1e-4)
+    experiment.train(cfg, str(tmp_path), progress=False)
+    rows = metrics(str(tmp_path))
+    eps = [r["dp_epsilon"] for r in rows]
+    assert eps[0] < eps[1] < eps[2]
+    k = cfg.partition.num_clients
+    m = max(1, round(cfg.participation * k))
+    np.testing.assert_allclose(eps[2], privacy.epsilon(1.1, 3, 1e-4, "uniform", k, m))

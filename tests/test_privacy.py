@@ -1,0 +1,51 @@
+"""Privacy accounting equals `dp-accounting`'s own composition for the same parameters,
+grows with rounds, and the per-run ledger agrees with it at every round."""
+
+import math
+
+import numpy as np
+import pytest
+from dp_accounting import NeighboringRelation, dp_event, rdp
+
+from fedjax_pan import privacy
+
+
+def _reference(z, rounds, delta, event, relation):
+    accountant = rdp.RdpAccountant(neighboring_relation=relation)
+    accountant.compose(event, rounds)
+    return accountant.get_epsilon(delta)
+
+
+def test_poisson_epsilon_equals_the_rdp_accountant():
+    want = _reference(1.1, 50, 1e-5,
+                      dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(1.1)),
+                      NeighboringRelation.ADD_OR_REMOVE_ONE)
+    assert privacy.epsilon(1.1, 50, 1e-5, "poisson", 100, 10) == pytest.approx(want, rel=1e-12)
+    assert privacy.epsilon(1.1, 50, 1e-5, "poisson", 100, 10, rate=0.1) == pytest.approx(want)
+
+
+def test_uniform_epsilon_equals_sampling_without_replacement():
+    want = _reference(1.1, 50, 1e-5, dp_event.SampledWithoutReplacementDpEvent(
+        100, 10, dp_event.GaussianDpEvent(1.1)), NeighboringRelation.REPLACE_ONE)
+    assert privacy.epsilon(1.1, 50, 1e-5, "uniform", 100, 10) == pytest.approx(want, rel=1e-12)
+
+
+def test_epsilon_grows_with_rounds_and_falls_with_noise():
+    eps = [privacy.epsilon(1.0, t, 1e-5, "poisson", 100, 10) for t in (1, 10, 100)]
+    assert eps[0] < eps[1] < eps[2]
+    assert privacy.epsilon(2.0, 100, 1e-5, "poisson", 100, 10) < eps[2]
+    assert privacy.epsilon(0.0, 10, 1e-5, "poisson", 100, 10) == math.inf
+    assert privacy.epsilon(1.0, 0, 1e-5, "poisson", 100, 10) == 0.0
+
+
+def test_ledger_agrees_round_by_round_and_after_going_back():
+    ledger = privacy.Ledger(0.9, 1e-5, "uniform", 50, 5)
+    got = [ledger.epsilon(t) for t in (1, 2, 5, 6)]
+    want = [privacy.epsilon(0.9, t, 1e-5, "uniform", 50, 5) for t in (1, 2, 5, 6)]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert ledger.epsilon(3) == pytest.approx(privacy.epsilon(0.9, 3, 1e-5, "uniform", 50, 5))
+
+
+def test_unknown_sampling():
+    with pytest.raises(ValueError, match="unknown sampling 'fixed'"):
+        privacy.round_event(1.0, "fixed", 10, 2)
