@@ -146,30 +146,39 @@ def _positions_bytes(k: int, d: int) -> int:
     return min(INDEX_BYTES * k, math.ceil(d / 8))
 
 
+def _kth_digit(counts: jax.Array, k: jax.Array) -> Tuple[jax.Array, jax.Array]:
+    """(the largest digit j with #(digit >= j) >= k, #(digit > j)) from a histogram."""
+    at_least = jnp.cumsum(counts[::-1])[::-1]  # at_least[j] = #(digit >= j)
+    j = jnp.sum(at_least >= k) - 1  # at_least is non-increasing
+    above = at_least[j] - counts[j]
+    return j, above
+
+
 def top_k_mask(scores: jax.Array, k: int) -> jax.Array:
     """A boolean mask of `scores`' shape keeping its k largest entries (ties: the lower
     index), for non-negative float32 scores.
 
-    The k-th largest value is found by bisection on the scores' bit patterns (which order
-    non-negative floats as integers): 31 counting passes over the leaf, several times
-    faster on CPU than a sort or `lax.top_k` at k = 10% of a large layer.
+    A radix select on the scores' bit patterns (which order non-negative floats as
+    integers): a histogram of the high 16 bits finds the k-th largest value's bin, a
+    histogram of the low 15 bits within that bin its exact value; three passes over the
+    leaf, where a sort or `lax.top_k` takes ten times longer on CPU at k = 10% of a large
+    layer. Ties at the k-th value are taken in index order.
     """
     flat = scores.reshape(-1).astype(jnp.float32)
     if k >= flat.size:
         return jnp.ones(scores.shape, bool)
     bits = jax.lax.bitcast_convert_type(flat, jnp.int32)
-
-    def narrow(_, bounds):
-        lo, hi = bounds  # invariant: count(bits >= lo) >= k, count(bits > hi) < k
-        gap = hi - lo
-        mid = lo + (gap >> 1) + (gap & 1)  # (lo + hi + 1) // 2 without overflow
-        enough = jnp.sum(bits >= mid) >= k
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid - 1)
-    lo, _ = jax.lax.fori_loop(0, 31, narrow, (jnp.int32(0), jnp.int32(2**31 - 1)))
-    above = bits > lo  # fewer than k; the rest of the k are ties at lo, lowest index first
-    at = bits == lo
-    mask = above | (at & (jnp.cumsum(at) <= k - jnp.sum(above)))
-    return mask.reshape(scores.shape)
+    high, low = bits >> 15, bits & 0x7FFF
+    j, above_high = _kth_digit(jnp.zeros(1 << 16, jnp.int32).at[high].add(1), k)
+    in_bin = (high == j).astype(jnp.int32)
+    low_counts = jnp.zeros(1 << 15, jnp.int32).at[low].add(in_bin)
+    l, above_low = _kth_digit(low_counts, k - above_high)
+    value = (j << 15) | l
+    need = k - above_high - above_low  # taken from the ties at `value`
+    above, at = bits > value, bits == value
+    ties = jax.lax.cond(need == low_counts[l], lambda: at,
+                        lambda: at & (jnp.cumsum(at) <= need))
+    return (above | ties).reshape(scores.shape)
 
 
 def top_k(ratio: float, score: str = "magnitude") -> Transform:

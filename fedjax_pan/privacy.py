@@ -14,27 +14,21 @@ counting query's noises together are one Gaussian mechanism of multiplier z (And
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import dp_accounting
 from dp_accounting import dp_event, rdp
 
+from fedjax_pan.workdir import quiet_absl
+
 SAMPLINGS = ("uniform", "poisson")
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def _quiet():
     # The accountant logs a warning for every fractional order whose series it cuts off
     # (those orders are left out of the minimum, as documented); they are not ours to act on.
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return quiet_absl(logging.ERROR)
 
 
 def round_event(noise_multiplier: float, sampling: str, num_clients: int,

@@ -125,6 +125,18 @@ def train_rounds(exp: Experiment, state: SimState, rounds: int, *, progress: boo
     return state, history
 
 
+def _per_client(stats: Dict[str, Any]) -> Dict[str, float]:
+    """The round's bytes per client that took part (where the round says how many did):
+    what one client sent and received, on average (cohorts vary under Poisson sampling;
+    downloads with the rounds a client missed)."""
+    n = stats.get("clients")
+    if not n:
+        return {}
+    return {"upload_bytes_per_client": stats["upload_bytes"] / n,
+            **({"download_bytes_per_client": stats["download_bytes"] / n}
+               if "download_bytes" in stats else {})}
+
+
 class _Run:
     """One process's share of a run: counters on top of those restored from a checkpoint."""
 
@@ -234,6 +246,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                                "download_bytes_total": (run.base["download_bytes"]
                                                         + run.download
                                                         + stats.get("download_bytes", 0.0)),
+                               **_per_client(stats),
                                # simulated time and arrivals (stragglers: engine/timing.py)
                                **{k: v for k, v in stats.items() if k.startswith("sim_")},
                                "seconds": time.time() - t0}

@@ -293,16 +293,16 @@ def digest(leaves: List[Any]) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_absl() -> Iterator[None]:
-    # orbax logs each failed background write with a traceback before raising it once;
-    # the caller reports that one error in one line.
+def quiet_absl(level: int = logging.CRITICAL) -> Iterator[None]:
+    """absl's log records below `level` dropped inside the block (a library's warnings
+    the caller reports in its own words, or that are not the caller's to act on)."""
     logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    old = logger.level
+    logger.setLevel(level)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(old)
 
 
 @contextlib.contextmanager
@@ -344,7 +344,9 @@ class Checkpoints:
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
                                                enable_async_checkpointing=False,
                                                cleanup_tmp_directories=True)
-        with _quiet_absl():
+        # orbax logs each failed write with a traceback before raising it once; callers
+        # report that one error in one line (here and in save / restore).
+        with quiet_absl():
             self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def latest(self) -> Optional[int]:
@@ -372,7 +374,7 @@ class Checkpoints:
             state=self.ocp.args.StandardSave({f"{i:05d}": x for i, x in enumerate(leaves)}),
             meta=self.ocp.args.JsonSave(meta))
         try:
-            with _quiet_absl(), _stderr_unless_failed():
+            with quiet_absl(), _stderr_unless_failed():
                 self.manager.save(step, args=args, force=True)
                 self.manager.wait_until_finished()
         except BaseException:
@@ -399,7 +401,7 @@ class Checkpoints:
         advice = (f"delete {path} to resume from round {max(earlier)}" if earlier else
                   "start again with --overwrite")
         try:
-            with _quiet_absl():
+            with quiet_absl():
                 restored = self.manager.restore(step, args=self.ocp.args.Composite(
                     state=self.ocp.args.StandardRestore(None if saved_shapes else target),
                     meta=self.ocp.args.JsonRestore()))

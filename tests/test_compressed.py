@@ -192,6 +192,9 @@ def test_byte_totals_count_every_round(tmp_path):
     for r, row in zip((2, 4), rows):
         assert row["upload_bytes_total"] == r * up
         assert row["download_bytes_total"] == r * down
+    m = round(cfg.participation * cfg.partition.num_clients)
+    assert rows[0]["upload_bytes_per_client"] == up / m
+    assert rows[0]["download_bytes_per_client"] == down / m
 
 
 def test_resume_with_residuals_and_public_model_equals_the_uninterrupted_run(tmp_path):

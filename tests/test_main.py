@@ -56,11 +56,13 @@ def test_real_data_smoke_run(tmp_path, capsys):
     assert [r["round"] for r in rows] == [1, 2, 3]
     assert set(rows[0]) == {"round", "test_accuracy", "test_loss", "train_loss", "seconds",
                             "upload_bytes", "download_bytes", "upload_bytes_total",
-                            "download_bytes_total"}
+                            "download_bytes_total", "upload_bytes_per_client",
+                            "download_bytes_per_client"}
     # 4 of 20 clients a round, each sending the MLP's 2,913,290 float32 deltas and
     # receiving as many parameters.
     assert all(r["upload_bytes"] == r["download_bytes"] == 4 * 4 * 2913290 for r in rows)
     assert [r["upload_bytes_total"] for r in rows] == [k * 4 * 4 * 2913290 for k in (1, 2, 3)]
+    assert all(r["download_bytes_per_client"] == 4 * 2913290 for r in rows)
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     with open(workdir / "summary.json") as f:
         summary = json.load(f)

@@ -262,7 +262,7 @@ class Simulation:
         return {**train_metrics(metrics),
                 "real_examples": real_examples(self.work, self.data.sizes[ids]),
                 "computed_examples": sum(r.computed_examples for r in results),
-                "upload_bytes": upload}
+                "upload_bytes": upload, "clients": len(ids)}
 
     def round(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
         """Runs round `state.round`; returns the new state and the round's statistics."""
@@ -305,7 +305,7 @@ class Simulation:
         or where its aggregator `closes_empty` (a fixed denominator) its update sees a zero
         sum of outputs and a total weight 0."""
         empty = {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
-                 "upload_bytes": 0.0, "download_bytes": 0.0}
+                 "upload_bytes": 0.0, "download_bytes": 0.0, "clients": 0}
         agg = self.algorithm.aggregator
         if not agg.closes_empty or agg.stacked:
             return state._replace(round=state.round + 1), empty
@@ -408,7 +408,7 @@ class Simulation:
         new = SimState(server, run.state.client_states, t + 1, flight.stored())
         stats = self._statistics(run.results, np.concatenate(run.trained)) if run.results \
             else {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
-                  "upload_bytes": 0.0}
+                  "upload_bytes": 0.0, "clients": 0}
         return new, stats, staleness
 
     def _stacked_arrivals(self, server, ids, plan, flight, run, arrived):
