@@ -17,6 +17,7 @@ from fedjax_pan import compression as comp
 from fedjax_pan import experiment
 from fedjax_pan.algorithms import compressed, registry
 from fedjax_pan.algorithms.core import median, tree_bytes
+from fedjax_pan.algorithms.pfedeff import pfedeff
 from fedjax_pan.algorithms.scaffold import scaffold
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
@@ -174,6 +175,10 @@ def test_refusals():
                                     comp.sign(), vote=True)
     with pytest.raises(ValueError, match="target"):
         compressed.with_compression(FEDAVG, VARIABLES, comp.sign(), target="gradient")
+    personal = pfedeff(MODEL, client_optimizer(0.05), num_clients=6)
+    with pytest.raises(ValueError, match="personal models"):
+        compressed.with_compression(personal, VARIABLES, comp.top_k(0.1),
+                                    download=comp.top_k(0.1), num_clients=6)
 
 
 def test_config_with_everything_off_leaves_the_algorithm_as_it_is():

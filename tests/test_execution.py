@@ -287,3 +287,16 @@ def test_a_batch_larger_than_every_client_computes_only_the_clients_rows():
         new, _ = sim.round(state)
         server, _, _ = reference_round(algo, cd, work.batch_size, state.server, cohort)
         assert max_rel_err(new.server, server) < 1e-5, strategy
+
+
+@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+def test_upload_bytes_are_summed_exactly_past_float32(strategy):
+    # 2^24 + 1 bytes a client: float32 holds neither one client's count nor the sum.
+    _, cd = tiny_clients([20, 30, 25, 18, 22, 16])
+    _, variables, algo = tiny_fedavg()
+    algo = algo._replace(upload_bytes=lambda output, local: 2**24 + 1)
+    sim = Simulation(algo, cd, LocalWork(batch_size=8, epochs=1),
+                     make_executor(strategy, algo, LocalWork(batch_size=8, epochs=1), cd,
+                                   variables, 3), 0.5)
+    _, stats = sim.round(sim.init(variables))
+    assert stats["upload_bytes"] == 3 * (2**24 + 1)

@@ -1,9 +1,11 @@
 """Federated algorithms, each a `FederatedAlgorithm` of small pure functions."""
 
 from fedjax_pan.algorithms.attacks import Attack, with_attack
+from fedjax_pan.algorithms.compressed import with_compression
 from fedjax_pan.algorithms.core import (Aggregator, ClientContext, FederatedAlgorithm, RoundInfo,
                                         median, no_client_state, tree_bytes, trimmed_mean,
                                         weighted_mean, weighted_sum)
+from fedjax_pan.algorithms.dp import AdaptiveClip, with_dp
 from fedjax_pan.algorithms.fed2 import fed2
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.fedprox import fedprox
@@ -16,4 +18,4 @@ __all__ = ["Aggregator", "ClientContext", "FederatedAlgorithm", "RoundInfo", "me
            "no_client_state", "tree_bytes", "trimmed_mean", "weighted_mean", "weighted_sum",
            "fed2", "fedavg", "fedprox", "client_optimizer", "server_optimizer", "ALGORITHMS",
            "from_config", "multi_krum", "geometric_median", "zeno", "fedasync", "sageflow",
-           "Attack", "with_attack"]
+           "Attack", "with_attack", "with_compression", "with_dp", "AdaptiveClip"]

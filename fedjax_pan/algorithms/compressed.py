@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from fedjax_pan import compression as comp
 from fedjax_pan.algorithms.core import FederatedAlgorithm, tree_bytes, weighted_mean
 from fedjax_pan.algorithms.local import split_variables
+from fedjax_pan.engine.protocol import output_update, with_output_update
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -80,10 +81,12 @@ def _has_leaves(tree: PyTree) -> bool:
 def with_compression(algorithm: FederatedAlgorithm, variables: PyTree,
                      upload: comp.Transform = comp.identity(), *, target: str = "update",
                      download: Optional[comp.Transform] = None, num_clients: int = 0,
-                     vote: bool = False, mask_before: Optional[MaskBefore] = None,
+                     seed: int = 0, vote: bool = False,
+                     mask_before: Optional[MaskBefore] = None,
                      grad_fn: Optional[Callable] = None) -> FederatedAlgorithm:
     """`algorithm` whose clients send `upload`'s messages (and receive `download`'s, for
-    `num_clients` clients) over the model `variables`; see the module docstring.
+    `num_clients` clients; its random draws from `seed` and the round) over the model
+    `variables`; see the module docstring.
     `grad_fn(params, model_state, batch)`: the loss gradient, for importance masks
     before training."""
     if target not in TARGETS:
@@ -92,6 +95,8 @@ def with_compression(algorithm: FederatedAlgorithm, variables: PyTree,
     if view is None:
         raise ValueError("compression transforms a model or an update, and this algorithm's "
                          "output is neither")
+    if vote and target != "update":
+        raise ValueError("majority vote is over the signs of updates, not of models")
     if vote and algorithm.aggregator is not weighted_mean:
         raise ValueError("majority vote replaces the mean, and this algorithm aggregates "
                          "another way")
@@ -105,11 +110,11 @@ def with_compression(algorithm: FederatedAlgorithm, variables: PyTree,
         client_init=_client_init(algorithm, upload, stateful, mask_before),
         client_step=_client_step(algorithm, mask_before, grad_fn),
         client_output=_client_output(algorithm, upload, target, stateful, vote),
-        upload_bytes=lambda output, local: jnp.float32(upload_bytes),
+        upload_bytes=lambda output, local: upload_bytes,  # an int: exact past 2^24
         server_update=(_vote_update(algorithm) if vote else algorithm.server_update),
         model_view=None if vote else view)
     if download is not None:
-        out = _with_download(out, algorithm, download, params, num_clients)
+        out = _with_download(out, algorithm, download, params, num_clients, seed)
     return out
 
 
@@ -174,17 +179,19 @@ def _client_output(algorithm, upload, target, stateful, vote):
 
     def client_output(local, server):
         output, inner_state = algorithm.client_output(local.inner, server)
-        model = view.to_model(server, output)
         broadcast = algorithm.eval_variables(server)["params"]
-        w = model["params"]
-        x = w if target == "model" else tree_map(jnp.subtract, w, broadcast)
-        sent, ts = comp.apply(upload, x, local.transform_state, local.key, broadcast)
-        received = sent if target == "model" else tree_map(jnp.add, broadcast, sent)
-        output = view.to_output(server, {**model, "params": received})
+        if target == "model":
+            model = view.to_model(server, output)
+            sent, ts = comp.apply(upload, model["params"], local.transform_state, local.key,
+                                  broadcast)
+            output = view.to_output(server, {**model, "params": sent})
+        else:
+            x = output_update(view, server, output, broadcast)
+            update, ts = comp.apply(upload, x, local.transform_state, local.key, broadcast)
+            output = with_output_update(view, server, output, update, broadcast)
         client_state = CompressedClient(inner_state, ts) if stateful else inner_state
         if vote:
             # The votes and each leaf's scale (sign messages are scale * sign(v)).
-            update = tree_map(jnp.subtract, received, broadcast)
             output = {"inner": output, "votes": tree_map(jnp.sign, update),
                       "scale": tree_map(lambda u: jnp.max(jnp.abs(u)), update)}
         return output, client_state
@@ -196,20 +203,22 @@ def _vote_update(algorithm):
 
     def server_update(server, aggregate, info):
         broadcast = algorithm.eval_variables(server)["params"]
-        mean = view.to_model(server, aggregate["inner"])
-        params = tree_map(lambda b, v, s: b + jnp.sign(v) * s, broadcast, aggregate["votes"],
-                          aggregate["scale"])
-        return algorithm.server_update(server, view.to_output(server, {**mean,
-                                                                     "params": params}), info)
+        step = tree_map(lambda v, s: jnp.sign(v) * s, aggregate["votes"], aggregate["scale"])
+        return algorithm.server_update(
+            server, with_output_update(view, server, aggregate["inner"], step, broadcast), info)
     return server_update
 
 
 def _with_download(out: FederatedAlgorithm, algorithm: FederatedAlgorithm,
-                   download: comp.Transform, params: PyTree, num_clients: int
+                   download: comp.Transform, params: PyTree, num_clients: int, seed: int
                    ) -> FederatedAlgorithm:
     """`out` whose clients receive the public model (module docstring)."""
+    if algorithm.personal_variables is not None or algorithm.personal_adapt is not None:
+        raise ValueError("download compression sends one public model, and this algorithm "
+                         "evaluates personal models built from the server's")
     message = comp.message_bytes(download, params)
     full = tree_bytes(params)
+    base_key = jax.random.fold_in(jax.random.PRNGKey(seed), _DOWNLOAD_STREAM)
 
     def clients_view(server):
         return server.inner._replace(params=server.public)
@@ -224,26 +233,30 @@ def _with_download(out: FederatedAlgorithm, algorithm: FederatedAlgorithm,
     def server_update(server, aggregate, info):
         new = out.server_update(clients_view(server), aggregate, info)
         diff = tree_map(jnp.subtract, new.params, server.public)
-        key = jax.random.fold_in(jax.random.PRNGKey(_DOWNLOAD_STREAM), info.round)
+        key = jax.random.fold_in(base_key, info.round)
         sent, ts = comp.apply(download, diff, server.transform_state, key, server.public)
         synced = server.synced.at[info.client_ids].set(info.round)
         return DownloadServer(new, tree_map(jnp.add, server.public, sent), synced, ts)
 
+    cap = full // message + 1  # more messages than this cost more than the model
+
     def download_bytes(server, client_ids, round_index):
         last = server.synced[client_ids]
-        behind = jnp.where(last < 0, jnp.inf, round_index - last).astype(jnp.float32)
-        return jnp.sum(jnp.minimum(float(full), behind * message))
+        behind = jnp.minimum(round_index - last, cap)
+        return jnp.where(last < 0, full, jnp.minimum(full, behind * message)).astype(jnp.int32)
 
-    def on_server(fn):
-        return lambda local_or_state, *rest: fn(local_or_state, *rest[:-1],
-                                                clients_view(rest[-1]))
+    def client_step(local, batch, server):
+        return out.client_step(local, batch, clients_view(server))
+
+    def client_output(local, server):
+        return out.client_output(local, clients_view(server))
 
     return out._replace(
         server_init=server_init, server_update=server_update,
         client_state_init=lambda server: out.client_state_init(clients_view(server)),
         client_init=lambda server, cs, ctx: out.client_init(clients_view(server), cs, ctx),
-        client_step=on_server(out.client_step), client_output=on_server(out.client_output),
-        eval_variables=lambda server: algorithm.eval_variables(server.inner),
+        client_step=client_step, client_output=client_output,
+        eval_variables=lambda server: out.eval_variables(server.inner),
         download_bytes=download_bytes, model_view=None)
 
 

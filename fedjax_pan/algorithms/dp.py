@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from fedjax_pan.algorithms.core import Aggregator, FederatedAlgorithm, tree_bytes
 from fedjax_pan.compression import clip_by_norm
+from fedjax_pan.engine.protocol import output_update, with_output_update
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -112,13 +113,10 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
 
     def client_output(local, server):
         output, client_state = algorithm.client_output(local.inner, server.inner)
-        model = view.to_model(server.inner, output)
         broadcast = algorithm.eval_variables(server.inner)["params"]
-        update = tree_map(jnp.subtract, model["params"], broadcast)
-        clipped, norm = clip_by_norm(update, local.clip)
-        sent = view.to_output(server.inner, {**model, "params": tree_map(jnp.add, broadcast,
-                                                                         clipped)})
-        out = {"update": sent}
+        clipped, norm = clip_by_norm(output_update(view, server.inner, output, broadcast),
+                                     local.clip)
+        out = {"update": with_output_update(view, server.inner, output, clipped, broadcast)}
         if adaptive is not None:
             out["unclipped"] = (norm <= local.clip).astype(jnp.float32)
         return out, client_state
@@ -133,16 +131,14 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
         k_update, k_count = jax.random.split(key)
         broadcast = algorithm.eval_variables(server.inner)["params"]
         # The sum of outputs stands for the sum of clipped updates (the view is linear).
-        total = tree_map(jnp.subtract, view.to_model(server.inner, aggregate["update"])["params"],
-                         broadcast)
+        total = output_update(view, server.inner, aggregate["update"], broadcast)
         leaves, treedef = jax.tree_util.tree_flatten(total)
         keys = jax.random.split(k_update, len(leaves))
         std = z_update * server.clip
         noised = jax.tree_util.tree_unflatten(treedef, [
             (v + std * jax.random.normal(k, v.shape, jnp.float32)).astype(v.dtype) / m
             for v, k in zip(leaves, keys)])
-        mean = view.to_output(server.inner, {**view.to_model(server.inner, aggregate["update"]),
-                                             "params": tree_map(jnp.add, broadcast, noised)})
+        mean = with_output_update(view, server.inner, aggregate["update"], noised, broadcast)
         inner = algorithm.server_update(server.inner, mean, info)
         c = server.clip
         if adaptive is not None:

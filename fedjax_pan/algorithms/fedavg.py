@@ -96,5 +96,14 @@ def _delta_output(server: ServerState, variables: PyTree) -> Dict[str, Any]:
     return {"delta": delta, "model_state": model_state}
 
 
+def _delta(server: ServerState, output: Dict[str, Any]) -> PyTree:
+    _delta_model(server, output)  # the same check, traced only
+    return output["delta"]
+
+
+def _with_delta(server: ServerState, output: Dict[str, Any], delta: PyTree) -> Dict[str, Any]:
+    return {**output, "delta": delta}
+
+
 # FedAvg's output {delta, model_state} is the model server.params + delta with its state.
-DELTA_VIEW = ModelView(_delta_model, _delta_output)
+DELTA_VIEW = ModelView(_delta_model, _delta_output, _delta, _with_delta)

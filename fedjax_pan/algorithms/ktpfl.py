@@ -308,8 +308,8 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
                   else Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True))
     def download_bytes(server, client_ids, round_index):
         # Each client receives its personalised target (P, C), not a model.
-        del round_index
-        return client_ids.shape[0] * target_bytes(server.soft)
+        del client_ids, round_index
+        return target_bytes(server.soft)
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
@@ -536,9 +536,7 @@ class KtMixed:
             sums = {k: v + more[k] for k, v in sums.items()}
             real = self._real_examples(ids, "train") + self._real_examples(ids, "distill")
         computed = sums.pop("computed_examples")
-        upload = sums.pop("upload_bytes")
         stats = self.services.statistics(sums, real_examples=real, computed_examples=computed,
-                                         upload_bytes=upload,
                                          download_bytes=float(len(ids) * target_bytes(
                                              state.server.soft)))
         return SimState(server, states, r + 1), stats

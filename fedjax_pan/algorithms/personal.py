@@ -130,10 +130,10 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def download_bytes(server, client_ids, round_index):
         # Only the shared parameters and statistics are sent.
-        del round_index
-        shared = (split_params(server.params, personal)[0],
-                  {c: split_params(s, personal)[0] for c, s in server.model_state.items()})
-        return client_ids.shape[0] * tree_bytes(shared)
+        del client_ids, round_index
+        return tree_bytes((split_params(server.params, personal)[0],
+                           {c: split_params(s, personal)[0]
+                            for c, s in server.model_state.items()}))
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,

@@ -106,10 +106,13 @@ def pfedeff(model: nn.Module, client_tx: optax.GradientTransformation,
         params = server.base.params
         sparse = comp.message_bytes(comp.top_k(keep), params)
         dense = comp.message_bytes(comp.identity(), params)
-        return jnp.sum(jnp.where(server.pruned[client_ids], sparse, dense).astype(jnp.float32))
+        return jnp.where(server.pruned[client_ids], sparse, dense).astype(jnp.int32)
 
     view = ModelView(lambda server, output: DELTA_VIEW.to_model(server.base, output),
-                     lambda server, variables: DELTA_VIEW.to_output(server.base, variables))
+                     lambda server, variables: DELTA_VIEW.to_output(server.base, variables),
+                     lambda server, output: DELTA_VIEW.update(server.base, output),
+                     lambda server, output, delta: DELTA_VIEW.with_update(server.base, output,
+                                                                          delta))
     return base._replace(server_init=server_init, client_state_init=client_state_init,
                          client_init=client_init, client_step=client_step,
                          client_output=client_output, server_update=server_update,

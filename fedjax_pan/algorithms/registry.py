@@ -204,7 +204,8 @@ def communication_from_config(algorithm: FederatedAlgorithm, cfg: Any, model: nn
             algorithm, variables, _transform(c.upload),
             target="model" if c.upload.method.endswith("_mask") else "update",
             download=None if c.download.method == "none" else _transform(c.download),
-            num_clients=num_clients, vote=c.vote, mask_before=mask, grad_fn=grad_fn)
+            num_clients=num_clients, seed=cfg.seed, vote=c.vote, mask_before=mask,
+            grad_fn=grad_fn)
     if p.clip > 0:
         sampled = (cfg.participation * num_clients if cfg.sampling == "poisson"
                    else clients_per_round(cfg.participation, num_clients))

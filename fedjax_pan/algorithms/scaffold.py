@@ -140,8 +140,8 @@ def scaffold(model: nn.Module, client_tx: optax.GradientTransformation, lr: floa
 
     def download_bytes(server, client_ids, round_index):
         # The model and the server control variate c.
-        del round_index
-        return client_ids.shape[0] * tree_bytes((eval_variables(server), server.c))
+        del client_ids, round_index
+        return tree_bytes((eval_variables(server), server.c))
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,

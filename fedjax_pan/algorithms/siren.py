@@ -219,10 +219,8 @@ class Siren:
         server = SirenServer(new_base, jnp.asarray(penalty, jnp.float32), history,
                              jnp.asarray(rejected), jnp.asarray(flag))
         sums = dict(jax.device_get(result.metrics))
-        upload = float(sums.pop("upload_bytes"))
         stats = self.services.statistics(sums, real_examples=self.services.real_examples(ids),
                                          computed_examples=result.computed_examples,
-                                         upload_bytes=upload,
                                          download_bytes=float(len(ids) * tree_bytes(
                                              {"params": s.base.params,
                                               **s.base.model_state})))

@@ -44,6 +44,13 @@ from fedjax_pan.engine.clients import (ClientData, LocalWork, augment_batch, aug
 
 PyTree = Any
 STRATEGIES = ("auto", "loop", "vmap", "sharded")
+# The metric sums that carry the clients' upload bytes (`pop_upload_bytes` joins them).
+UPLOAD_MIB, UPLOAD_REST = "upload_bytes_mib", "upload_bytes_rest"
+
+
+def pop_upload_bytes(sums: Dict[str, Any]) -> float:
+    """The bytes a cohort sent, taken out of its executor's metric sums (exact)."""
+    return float(int(sums.pop(UPLOAD_MIB)) * (1 << 20) + int(sums.pop(UPLOAD_REST)))
 tree_map = jax.tree_util.tree_map
 
 
@@ -171,23 +178,26 @@ class ClientProgram:
         state; the client's metric sums with its 'upload_bytes')."""
         local, acc = carry
         output, client_state = self.algorithm.client_output(local, server)
-        upload = self.upload_bytes(output, local)
-        # Filler slots of a vmap block weigh 0 and send nothing.
-        acc = {**acc, "upload_bytes": jnp.where(weight > 0, upload, 0.0)}
+        upload = jnp.where(weight > 0, self.upload_bytes(output, local), 0)
+        # Filler slots of a vmap block weigh 0 and send nothing. The count is summed as
+        # whole MiB and the rest in int32: exact for up to 2,047 clients a call (float32
+        # sums of ~1e8 bytes are not).
+        acc = {**acc, UPLOAD_MIB: upload >> 20, UPLOAD_REST: upload & ((1 << 20) - 1)}
         if not self.stacked:
             output = tree_map(lambda o: o * weight.astype(o.dtype), output)
         return output, client_state, acc
 
     def upload_bytes(self, output, local) -> jax.Array:
-        """Bytes the client sends: the algorithm's count, else its whole output's."""
+        """Bytes the client sends (int32): the algorithm's count, else its whole output's."""
         if self.algorithm.upload_bytes is not None:
-            return jnp.asarray(self.algorithm.upload_bytes(output, local), jnp.float32)
-        return jnp.float32(tree_bytes(output))
+            count = jnp.asarray(self.algorithm.upload_bytes(output, local))
+            return jnp.round(count).astype(jnp.int32)
+        return jnp.int32(tree_bytes(output))
 
     def total_zeros(self, server, client_state, ctx) -> Dict[str, jax.Array]:
         """Zeros shaped like a client's metric sums as `finish` returns them."""
         return {**self.metric_zeros(server, client_state, ctx),
-                "upload_bytes": jnp.zeros((), jnp.float32)}
+                UPLOAD_MIB: jnp.zeros((), jnp.int32), UPLOAD_REST: jnp.zeros((), jnp.int32)}
 
     def output_zeros(self, server, client_state, ctx):
         """A compiled function returning zeros shaped like one client's weighted output

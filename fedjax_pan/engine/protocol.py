@@ -19,7 +19,7 @@ Every function takes its state first, then its inputs, and returns the new state
                                                      (optional; Per-FedAvg's one step)
     aggregator                                    how outputs become `aggregate`
     upload_bytes(output, local_state)             -> bytes sent (optional)
-    download_bytes(server_state, client_ids, round) -> bytes the cohort receives (optional)
+    download_bytes(server_state, client_ids, round) -> bytes each client receives (optional)
     model_view                                    the model an output stands for, and
                                                   back (optional; attacks and model-space
                                                   defences need it)
@@ -185,6 +185,29 @@ class ModelView(NamedTuple):
 
     to_model: Callable[[PyTree, PyTree], PyTree]
     to_output: Callable[[PyTree, PyTree], PyTree]
+    # Where the output holds the parameter update itself (FedAvg's delta): read it and
+    # replace it without the round trip through the model (two passes fewer a client).
+    update: Optional[Callable[[PyTree, PyTree], PyTree]] = None  # (server, output) -> update
+    with_update: Optional[Callable[[PyTree, PyTree, PyTree], PyTree]] = None
+
+
+def output_update(view: ModelView, server: PyTree, output: PyTree, broadcast: PyTree
+                  ) -> PyTree:
+    """The parameter update an output stands for: its model's parameters less
+    `broadcast` (the parameters of `server`'s model), or `view.update`."""
+    if view.update is not None:
+        return view.update(server, output)
+    return tree_map(jnp.subtract, view.to_model(server, output)["params"], broadcast)
+
+
+def with_output_update(view: ModelView, server: PyTree, output: PyTree, update: PyTree,
+                       broadcast: PyTree) -> PyTree:
+    """`output` standing for parameters `broadcast + update` instead (its other state
+    unchanged), or `view.with_update`."""
+    if view.with_update is not None:
+        return view.with_update(server, output, update)
+    model = view.to_model(server, output)
+    return view.to_output(server, {**model, "params": tree_map(jnp.add, broadcast, update)})
 
 
 class FederatedAlgorithm(NamedTuple):
@@ -209,8 +232,9 @@ class FederatedAlgorithm(NamedTuple):
     personal_adapt: Optional[Callable[[PyTree, PyTree, PyTree], PyTree]] = None
     # How outputs map to models (None: they do not, e.g. predictions or control variates).
     model_view: Optional[ModelView] = None
-    # download_bytes(server_state, client_ids (M,), round) -> bytes the M clients receive
-    # (None: each the whole `eval_variables(server_state)`).
+    # download_bytes(server_state, client_ids (M,), round) -> the bytes each of the M
+    # clients receives, (M,) int32 or one number for all (None: each the whole
+    # `eval_variables(server_state)`).
     download_bytes: Optional[Callable[[PyTree, Any, Any], Any]] = None
 
 

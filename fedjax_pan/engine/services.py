@@ -21,7 +21,8 @@ import jax
 import numpy as np
 
 from fedjax_pan.engine.clients import ClientData, LocalWork, client_keys, real_examples
-from fedjax_pan.engine.execution import Cohort, CohortResult, make_executor
+from fedjax_pan.engine.execution import (UPLOAD_MIB, Cohort, CohortResult, make_executor,
+                                         pop_upload_bytes)
 from fedjax_pan.engine.protocol import FederatedAlgorithm, PyTree
 from fedjax_pan.engine.simulation import (SimState, clients_per_round, sample_clients,
                                           stream_keys, train_metrics)
@@ -97,6 +98,10 @@ class Services:
 
     @staticmethod
     def statistics(sums: Dict[str, Any], **fields: Any) -> Dict[str, Any]:
-        """A round's statistics: per-example means of the metric sums (`train_loss`,
-        `train_<name>`), plus `fields` (real_examples, computed_examples, upload_bytes, ...)."""
+        """A round's statistics: per-example means of an executor's metric sums
+        (`train_loss`, `train_<name>`), the bytes its clients sent (`upload_bytes`, unless
+        `fields` gives it), plus `fields` (real_examples, computed_examples, ...)."""
+        sums = dict(sums)
+        if UPLOAD_MIB in sums:
+            fields.setdefault("upload_bytes", pop_upload_bytes(sums))
         return {**train_metrics(sums), **fields}

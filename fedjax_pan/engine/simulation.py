@@ -24,7 +24,7 @@ from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, RoundInfo,
                                         stacked_entries, tree_bytes)
 from fedjax_pan.engine.clients import (ClientData, LocalWork, client_keys, real_examples,
                                        step_batch)
-from fedjax_pan.engine.execution import Cohort, CohortResult
+from fedjax_pan.engine.execution import Cohort, CohortResult, pop_upload_bytes
 
 PyTree = Any
 AGGREGATIONS = ("uniform", "num_examples")
@@ -258,7 +258,7 @@ class Simulation:
         for r in results[1:]:
             sums = jax.tree_util.tree_map(lambda a, b: a + b, sums, jax.device_get(r.metrics))
         metrics = dict(sums)
-        upload = float(metrics.pop("upload_bytes"))
+        upload = pop_upload_bytes(metrics)
         return {**train_metrics(metrics),
                 "real_examples": real_examples(self.work, self.data.sizes[ids]),
                 "computed_examples": sum(r.computed_examples for r in results),
@@ -288,7 +288,7 @@ class Simulation:
 
     def download_bytes(self, server: PyTree, ids: np.ndarray, round_index: int) -> float:
         """Bytes clients `ids` receive at round `round_index`: the algorithm's count, else
-        each the global model (`eval_variables`)."""
+        each the global model (`eval_variables`); summed on the host (exact)."""
         count = self.algorithm.download_bytes
         if count is None:
             if self._model_bytes is None:
@@ -297,8 +297,9 @@ class Simulation:
             return float(len(ids) * self._model_bytes)
         if self._download is None:
             self._download = jax.jit(count)
-        return float(self._download(server, jnp.asarray(ids, jnp.int32),
-                                    jnp.int32(round_index)))
+        each = np.asarray(self._download(server, jnp.asarray(ids, jnp.int32),
+                                         jnp.int32(round_index)), np.int64)
+        return float(np.broadcast_to(each, (len(ids),)).sum())
 
     def _empty_round(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
         """A round nobody was sampled for (Poisson sampling): the server stays as it was,
