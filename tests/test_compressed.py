@@ -49,7 +49,7 @@ def _close(a, b, atol=1e-6):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+@pytest.mark.parametrize("strategy", ["loop", pytest.param("vmap", marks=pytest.mark.slow)])
 def test_top_k_upload_server_update_by_hand(strategy):
     t = comp.top_k(0.2)
     algo = compressed.with_compression(FEDAVG, VARIABLES, t)
@@ -202,6 +202,7 @@ def test_byte_totals_count_every_round(tmp_path):
     assert rows[0]["download_bytes_per_client"] == down / m
 
 
+@pytest.mark.slow  # resume for a kind of client state (the slow run covers every kind)
 def test_resume_with_residuals_and_public_model_equals_the_uninterrupted_run(tmp_path):
     changes = dict(compression__upload__method="top_k", compression__upload__error_feedback=True,
                    compression__download__method="qsgd", checkpoint_every=2)

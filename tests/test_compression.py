@@ -61,7 +61,8 @@ def test_random_k_keeps_k_positions_from_the_key_and_unbiased_is_unbiased():
     np.testing.assert_array_equal(np.asarray(a)[kept], np.asarray(x)[kept])
     t = comp.random_k(0.1, unbiased=True)
     keys = jax.random.split(KEY, 4000)
-    mean = jax.vmap(lambda k: _run(t, x, key=k)[0])(keys).mean(0)
+    # One key at a time (lax.map): a vmap would hold 4,000 of the select's histograms.
+    mean = jax.jit(lambda ks: jax.lax.map(lambda k: _run(t, x, key=k)[0], ks))(keys).mean(0)
     # Each coordinate is 10 x_i with probability 0.1: std of the mean 3 |x_i| / sqrt(4000).
     assert np.all(np.abs(np.asarray(mean - x)) <= 6 * 3 * np.abs(np.asarray(x)) / np.sqrt(4000))
 
@@ -165,10 +166,13 @@ def test_from_name_and_bad_values():
 
 def test_top_k_mask_equals_a_stable_sort_with_ties_and_edge_values():
     rng = np.random.default_rng(5)
-    cases = [rng.normal(size=3000) ** 2,
+    big = comp.SMALL_LEAF + 1000  # the radix select's path; the others lax.top_k's
+    cases = [rng.normal(size=3000) ** 2, rng.normal(size=big) ** 2,
              rng.integers(0, 5, size=2000).astype(np.float64),  # many ties
+             rng.integers(0, 5, size=big).astype(np.float64),
              np.concatenate([[np.inf, 0.0, 1e-38, 3e38], rng.random(60)]),
-             np.zeros(50)]
+             np.concatenate([[np.inf, 0.0, 1e-38, 3e38], rng.random(big)]),
+             np.zeros(50), np.zeros(big)]
     for scores in cases:
         scores = scores.astype(np.float32)
         for k in (1, 7, len(scores) // 10, len(scores) - 1, len(scores)):

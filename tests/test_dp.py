@@ -162,6 +162,7 @@ def test_refusals():
             experiment.validate(config(**changes))
 
 
+@pytest.mark.slow  # a config run end to end (the accountant is checked in test_privacy)
 def test_config_run_logs_a_growing_epsilon(tmp_path):
     cfg = config(rounds=3, privacy__clip=0.05, privacy__noise_multiplier=1.1,
                  privacy__delta=1e-4)

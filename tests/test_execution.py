@@ -251,6 +251,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # about 10 s: a subprocess with four CPU devices compiles afresh
 def test_sharded_strategy_on_four_cpu_devices():
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") +
                " --xla_force_host_platform_device_count=4",

@@ -395,6 +395,7 @@ def test_centralised_runs_and_pairs_its_differences(tmp_path):
     assert off["diff_mean"] == 0.0
 
 
+@pytest.mark.slow  # about 11 s: a sweep trained, cut and resumed
 def test_sweeps_resume_keeping_finished_runs(tmp_path, capsys):
     from experiments import alignment_methods as am
     out = tmp_path / "a"

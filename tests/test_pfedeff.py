@@ -8,6 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan import compression as comp
@@ -63,6 +64,7 @@ def test_a_round_against_fedavgs_clients_and_the_download_count():
     assert max_rel_err(personal["params"], states[2].client_states["params"]) == 0
 
 
+@pytest.mark.slow  # a config run end to end (the round is checked above)
 def test_config_run_with_an_upload_mask(tmp_path):
     cfg = config(rounds=2, algorithm="pfedeff", partition__test_fraction=0.25,
                  pfedeff__keep=0.5, compression__upload__method="top_k",
