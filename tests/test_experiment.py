@@ -121,6 +121,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert len(metrics(tmp_path)) == bad - 1
 
 
+@pytest.mark.slow  # about 12 s (`make run`, the main job, runs variants too)
 def test_variants_write_a_comparison(tmp_path):
     cfg = config("compare", rounds=1, partition__num_clients=10, local__epochs=0.5)
     summaries = experiment.run(cfg, str(tmp_path), progress=False)

@@ -168,6 +168,7 @@ def test_one_network_in_two_groups_equals_one_group(strategy, arch):
     assert bool(jnp.all(jnp.isfinite(want[2].server.coef)))
 
 
+@pytest.mark.slow  # about 8 s: three networks' programs compile
 def test_mixed_networks_train_their_own_models():
     """Two MLPs of other widths and a small CNN in one federation: each client keeps a
     model of its own network, reports that model's soft predictions, and c steps on the

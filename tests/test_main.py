@@ -82,7 +82,10 @@ def _rows(workdir):
         return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in f]
 
 
-@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+# SIGTERM in the default run; SIGINT (the same path, about 10 s) with the slow tests.
+@pytest.mark.parametrize("sig,status", [pytest.param(signal.SIGINT, 130,
+                                                     marks=pytest.mark.slow),
+                                        (signal.SIGTERM, 143)])
 def test_a_signal_ends_in_one_line_and_the_run_resumes_exactly(tmp_path, sig, status):
     workdir = str(tmp_path / "w")
     args = [sys.executable, "-m", "fedjax_pan.main", *SYNTHETIC, f"--workdir={workdir}",
@@ -181,7 +184,8 @@ def test_model_options_are_set_from_the_command_line(tmp_path, capsys):
                                                     "hidden": [32, 32]}
 
 
-@pytest.mark.parametrize("algorithm", ["ktpfl", "fedrep"])
+@pytest.mark.parametrize("algorithm", [pytest.param("ktpfl", marks=pytest.mark.slow),
+                                       "fedrep"])
 def test_personalised_algorithms_run_on_the_smoke_preset_as_they_are(tmp_path, capsys,
                                                                      algorithm):
     w = tmp_path / "w"
