@@ -302,6 +302,8 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
         try:
             algorithm = algorithms.registry.communication_from_config(
                 algorithm, cfg, model, variables, client_data.num_clients)
+            # Refusals that depend on the model (BatchNorm under DP) fail here.
+            jax.eval_shape(algorithm.server_init, variables)
         except ValueError as e:
             raise ConfigError(f"config.{communication}: {e}") from None
     own_stacked = (algorithm.aggregator.stacked and cfg.aggregation.rule == "mean")

@@ -151,6 +151,9 @@ def test_refusals():
         algo.server_init(bn_variables)
     with pytest.raises(ValueError, match="clip > 0"):
         dp.with_dp(FEDAVG, 0.0, 1.0, 3.0, seed=0)
+    with pytest.raises(ConfigError, match="config.privacy.clip=1.0: DP-FedAvg releases only"):
+        from fedjax_pan import assembly
+        assembly.build(config(privacy__clip=1.0, model__norm="batch"))
     for changes, match in (
             ({"privacy__clip": 1.0, "aggregation__weights": "num_examples"}, "uniform"),
             ({"privacy__noise_multiplier": 1.0}, "need privacy.clip > 0"),
