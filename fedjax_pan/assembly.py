@@ -272,11 +272,7 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                 ("shuffle.n_sf", "0", cfg.shuffle.n_sf == 0),
                 ("straggler.max_delay", "0", cfg.straggler.max_delay == 0),
                 ("attack.kind", "'none'", cfg.attack.kind == "none" or attacks_handled),
-                *[(key, "'none'", cfg.compression[side].method == "none")
-                  for side, key in (("upload", "compression.upload.method"),
-                                    ("download", "compression.download.method"))],
-                ("compression.mask_before", "'none'", cfg.compression.mask_before == "none"),
-                ("privacy.clip", "0", cfg.privacy.clip == 0),
+                *[(key, repr(off), _setting(cfg, key) == off) for key, off in COMMUNICATION],
                 ("sampling", "'uniform'", cfg.sampling == "uniform")):
             require(off, f"config.{key} is not available with algorithm {cfg.algorithm!r} "
                     f"as configured (its rounds run on its own driver): set {key}={default}")
@@ -325,18 +321,24 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                       sampling=cfg.sampling)
 
 
+# The settings that transform what clients send, each with its value when off.
+COMMUNICATION = (("compression.upload.method", "none"), ("compression.download.method", "none"),
+                 ("compression.mask_before", "none"), ("privacy.clip", 0))
+
+
+def _setting(cfg: ml_collections.ConfigDict, key: str) -> Any:
+    """The value of dotted `key` in `cfg`."""
+    for part in key.split("."):
+        cfg = cfg[part]
+    return cfg
+
+
 def _communication_setting(cfg: ml_collections.ConfigDict) -> Optional[str]:
-    """The first compression or privacy setting that transforms what clients send, as
-    'key=value' (None: they send their outputs as they are)."""
-    c = cfg.compression
-    for key, on in (("compression.upload.method", c.upload.method != "none"),
-                    ("compression.download.method", c.download.method != "none"),
-                    ("compression.mask_before", c.mask_before != "none"),
-                    ("privacy.clip", cfg.privacy.clip > 0)):
-        if on:
-            value = cfg
-            for part in key.split("."):
-                value = value[part]
+    """The first of `COMMUNICATION` that is on, as 'key=value' (None: clients send their
+    outputs as they are)."""
+    for key, off in COMMUNICATION:
+        value = _setting(cfg, key)
+        if value != off:
             return f"{key}={value!r}"
     return None
 

@@ -17,7 +17,9 @@ import ml_collections
 from fedjax_pan import models
 from fedjax_pan.algorithms.fedavg import BN_MODES
 from fedjax_pan.algorithms.local import WARMUPS
-from fedjax_pan.algorithms.registry import AGGREGATION_RULES, ALGORITHMS, SERVER_OPTIMIZERS
+from fedjax_pan.algorithms.dp import counting_std
+from fedjax_pan.algorithms.registry import (AGGREGATION_RULES, ALGORITHMS, SERVER_OPTIMIZERS,
+                                            expected_clients)
 from fedjax_pan.data.partition import SCHEMES
 from fedjax_pan.data.sources import DATASETS, GROUPED_DATASETS, NORMALIZATIONS
 from fedjax_pan.engine.clients import AUGMENTS, STEP_MODES
@@ -265,8 +267,7 @@ def _communication_checks(cfg: ml_collections.ConfigDict) -> None:
         require(cfg.straggler.max_delay == 0,
                 "config.privacy.clip > 0 (DP-FedAvg) needs straggler.max_delay=0")
         if dp.adaptive and dp.noise_multiplier > 0:
-            m = cfg.participation * cfg.partition.num_clients
-            std = dp.count_std if dp.count_std is not None else m / 20
+            std = counting_std(dp.count_std, expected_clients(cfg, cfg.partition.num_clients))
             require(dp.noise_multiplier < 2 * std,
                     f"config.privacy.noise_multiplier = {dp.noise_multiplier} must be below "
                     f"2 * privacy.count_std = {2 * std:g} with privacy.adaptive (the "

@@ -55,6 +55,11 @@ class DPLocal(NamedTuple):
     clip: jax.Array
 
 
+def counting_std(count_std: Optional[float], expected_clients: float) -> float:
+    """sigma_b: `count_std`, or Andrew et al.'s m / 20 where it is None."""
+    return expected_clients / 20.0 if count_std is None else count_std
+
+
 def update_noise_multiplier(z: float, count_std: float) -> float:
     """z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (adaptive clipping's split)."""
     if z <= 0:
@@ -91,7 +96,7 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
     count_std = None
     z_update = noise_multiplier
     if adaptive is not None:
-        count_std = adaptive.count_std if adaptive.count_std is not None else m / 20.0
+        count_std = counting_std(adaptive.count_std, m)
         z_update = update_noise_multiplier(noise_multiplier, count_std)
     base_key = jax.random.fold_in(jax.random.PRNGKey(seed), _NOISE_STREAM)
 
@@ -161,5 +166,6 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
             lambda server, cs, batch: algorithm.personal_adapt(server.inner, cs, batch)))
 
 
-__all__ = ["AdaptiveClip", "DPServer", "DPLocal", "DP_SUM", "update_noise_multiplier",
+__all__ = ["AdaptiveClip", "DPServer", "DPLocal", "DP_SUM", "counting_std",
+           "update_noise_multiplier",
            "with_dp"]

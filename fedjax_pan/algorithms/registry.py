@@ -187,6 +187,14 @@ def _transform(side: Any) -> Any:
                                  side.error_feedback, side.quantize_bits)
 
 
+def expected_clients(cfg: Any, num_clients: int) -> float:
+    """Clients a round takes in expectation: R K under Poisson sampling, else the fixed
+    cohort max(1, round(R K)) (DP-FedAvg's denominator)."""
+    if cfg.sampling == "poisson":
+        return cfg.participation * num_clients
+    return float(clients_per_round(cfg.participation, num_clients))
+
+
 def communication_from_config(algorithm: FederatedAlgorithm, cfg: Any, model: nn.Module,
                               variables: Any, num_clients: int) -> FederatedAlgorithm:
     """`algorithm` with `config.compression`'s transforms and `config.privacy`'s DP-FedAvg
@@ -207,10 +215,8 @@ def communication_from_config(algorithm: FederatedAlgorithm, cfg: Any, model: nn
             num_clients=num_clients, seed=cfg.seed, vote=c.vote, mask_before=mask,
             grad_fn=grad_fn)
     if p.clip > 0:
-        sampled = (cfg.participation * num_clients if cfg.sampling == "poisson"
-                   else clients_per_round(cfg.participation, num_clients))
         adaptive = (dp.AdaptiveClip(p.quantile, p.clip_lr, p.count_std) if p.adaptive
                     else None)
-        algorithm = dp.with_dp(algorithm, p.clip, p.noise_multiplier, sampled, cfg.seed,
-                               adaptive)
+        algorithm = dp.with_dp(algorithm, p.clip, p.noise_multiplier,
+                               expected_clients(cfg, num_clients), cfg.seed, adaptive)
     return algorithm

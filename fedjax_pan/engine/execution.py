@@ -44,6 +44,7 @@ from fedjax_pan.engine.clients import (ClientData, LocalWork, augment_batch, aug
 
 PyTree = Any
 STRATEGIES = ("auto", "loop", "vmap", "sharded")
+tree_map = jax.tree_util.tree_map
 # The metric sums that carry the clients' upload bytes (`pop_upload_bytes` joins them).
 UPLOAD_MIB, UPLOAD_REST = "upload_bytes_mib", "upload_bytes_rest"
 
@@ -51,7 +52,6 @@ UPLOAD_MIB, UPLOAD_REST = "upload_bytes_mib", "upload_bytes_rest"
 def pop_upload_bytes(sums: Dict[str, Any]) -> float:
     """The bytes a cohort sent, taken out of its executor's metric sums (exact)."""
     return float(int(sums.pop(UPLOAD_MIB)) * (1 << 20) + int(sums.pop(UPLOAD_REST)))
-tree_map = jax.tree_util.tree_map
 
 
 class Cohort(NamedTuple):

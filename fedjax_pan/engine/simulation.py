@@ -28,6 +28,9 @@ from fedjax_pan.engine.execution import Cohort, CohortResult, pop_upload_bytes
 
 PyTree = Any
 AGGREGATIONS = ("uniform", "num_examples")
+# A round's statistics when no client trained in it.
+_UNTRAINED = {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
+              "upload_bytes": 0.0, "clients": 0}
 SAMPLINGS = ("uniform", "poisson")
 _DATA_STREAM, _ALGO_STREAM, _ADAPT_STREAM = 1, 2, 3
 
@@ -305,18 +308,12 @@ class Simulation:
         """A round nobody was sampled for (Poisson sampling): the server stays as it was,
         or where its aggregator `closes_empty` (a fixed denominator) its update sees a zero
         sum of outputs and a total weight 0."""
-        empty = {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
-                 "upload_bytes": 0.0, "download_bytes": 0.0, "clients": 0}
+        empty = {**_UNTRAINED, "download_bytes": 0.0}
         agg = self.algorithm.aggregator
         if not agg.closes_empty or agg.stacked:
             return state._replace(round=state.round + 1), empty
-        ctx = placeholder_context(self.data.label_counts.shape[1])
-        one_state = None if state.client_states is None else jax.tree_util.tree_map(
-            lambda x: x[0], state.client_states)
-        alg = self.algorithm
-        shapes = jax.eval_shape(lambda s, c: alg.client_output(alg.client_init(s, c, ctx),
-                                                               s)[0], state.server, one_state)
-        zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        zeros = jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype),
+                                       self._one_entry(state.server, state.client_states))
         info = RoundInfo(jnp.int32(state.round), jnp.zeros(0, jnp.int32),
                          jnp.zeros(0, jnp.float32), self.data.num_clients)
         server = self._server_update(state.server, zeros, jnp.zeros(1, jnp.float32), info)
@@ -408,8 +405,7 @@ class Simulation:
             server = self._streamed_arrivals(state.server, ids, plan, flight, run, arrived)
         new = SimState(server, run.state.client_states, t + 1, flight.stored())
         stats = self._statistics(run.results, np.concatenate(run.trained)) if run.results \
-            else {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
-                  "upload_bytes": 0.0, "clients": 0}
+            else dict(_UNTRAINED)
         return new, stats, staleness
 
     def _stacked_arrivals(self, server, ids, plan, flight, run, arrived):
