@@ -175,6 +175,10 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
         return "no round of it was saved; free space"
 
     with count_compiles() as compiles:
+        # A driver that keeps records beside the run (FLChain's ledger) learns where.
+        attach = getattr(exp.simulation, "attach", None)
+        if attach is not None:
+            attach(workdir, resume)
         state = exp.simulation.init(exp.variables)
         with workdir_lib.writing(f"checkpoints in {workdir}", safe):
             ckpt = workdir_lib.Checkpoints(workdir)

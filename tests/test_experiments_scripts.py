@@ -766,3 +766,43 @@ def test_compression_and_privacy_smoke_write_their_tables(tmp_path, capsys):
     assert math.isinf(eps[("none", 0.0)]) and math.isinf(eps[("fixed", 0.0)])
     assert 0 < eps[("fixed", 1.0)] < eps[("adaptive", 0.5)] < math.inf
     assert "epsilon" in capsys.readouterr().out
+
+
+def test_flchain_configs_and_rows():
+    from experiments import flchain
+    from fedjax_pan import experiment
+    for preset in ("cpu", "smoke"):
+        s = flchain.PRESETS[preset]
+        runs = flchain.tamper_configs(s, 0) + flchain.cost_configs(s, 0)
+        for _, cfg in runs:
+            experiment.validate(cfg)
+            assert cfg.algorithm == "flchain"
+        names = [n for n, _ in runs]
+        assert names[:3] == list(flchain.TAMPER_RUNS) and len(set(names)) == len(names)
+        central = dict(runs)["central"].flchain
+        assert central.validators == 1 and central.faulty == 1
+        # Runs with faults cover a full rotation of proposers.
+        for name, cfg in runs:
+            if cfg.flchain.faulty and name.startswith("cost"):
+                assert cfg.rounds >= cfg.flchain.validators
+    curve = [{"round": r, "test_accuracy": a, "sim_rejected": j, "sim_time": 2.0 * r}
+             for r, a, j in ((1, 0.5, 0), (2, 0.6, 1), (3, 0.2, 0), (4, 0.3, 0))]
+    row = flchain.tamper_row("central", curve, flchain.Settings(tamper_from=2), "verified")
+    assert row["accuracy_before"] == 0.6 and row["min_accuracy_after"] == 0.2
+    assert row["final_accuracy"] == 0.3 and row["rejected"] == 1 and row["sim_seconds"] == 8.0
+
+
+@pytest.mark.slow  # about 15 s
+def test_flchain_smoke_writes_its_tables(tmp_path, capsys):
+    from experiments import flchain
+    out = str(tmp_path / "f")
+    assert flchain.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    rows = {r["run"]: r for r in common.read_csv(os.path.join(out, "flchain_tamper.csv"))}
+    assert rows["honest"]["audit"] == rows["chain"]["audit"] == "verified"
+    assert "state root is not the aggregate" in rows["central"]["audit"]
+    assert int(rows["chain"]["rejected"]) >= 1
+    cost = common.read_csv(os.path.join(out, "flchain_cost.csv"))
+    one = [r for r in cost if r["validators"] == "1"]
+    assert all(float(r["consensus_seconds"]) == 0.0 for r in one)
+    assert os.path.getsize(os.path.join(out, "flchain.png")) > 10_000
+    assert "audit" in capsys.readouterr().out

@@ -9,7 +9,7 @@ import numpy as np
 
 from conftest import ROOT, tiny_clients, tiny_fedavg
 from fedjax_pan import models
-from fedjax_pan.algorithms import fedma, ktpfl
+from fedjax_pan.algorithms import fedma, flchain, ktpfl
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.protocol import Round
 from fedjax_pan.engine.services import Services
@@ -38,7 +38,7 @@ def test_the_engine_imports_nothing_from_the_algorithms():
 
 
 def test_drivers_use_only_the_engines_public_services():
-    for module in (fedma, ktpfl):
+    for module in (fedma, ktpfl, flchain):
         engine = {m for m in _imports(module.__file__) if m.startswith("fedjax_pan.engine")}
         assert engine and engine <= PUBLIC_ENGINE, (module.__name__, sorted(engine))
 
@@ -57,6 +57,9 @@ def test_simulations_and_drivers_are_rounds():
                           np.arange(4) % 2, algo_tx(), services,
                           np.zeros((5, 6, 6, 1), np.float32), 0.5)
     assert isinstance(mixed, Round)
+    rule = {"optimizer": "sgd", "lr": 1.0, "momentum": 0.0, "weights": "examples"}
+    assert isinstance(flchain.FLChain(mlp, algo_tx(), services, flchain.OPTIONS, rule, 0,
+                                      "mean", 10), Round)
     assert not isinstance(object(), Round)
 
 

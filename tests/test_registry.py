@@ -50,8 +50,9 @@ def test_personalised_algorithms_loop_vmap_and_reference_agree(name):
     assert moved > 1e-3
 
 
-# FedMA and Siren run only as their drivers (no compiled round to build).
-@pytest.mark.parametrize("name", sorted(set(registry.ALGORITHMS) - {"fedma", "siren"}))
+# FedMA, Siren and FLChain run only as their drivers (no compiled round to build).
+@pytest.mark.parametrize("name", sorted(set(registry.ALGORITHMS) - {"fedma", "siren",
+                                                                    "flchain"}))
 def test_every_algorithm_builds_from_the_default_config(name):
     cd, model, variables, _ = pfl_setup()
     cfg = default_config()

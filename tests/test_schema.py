@@ -56,7 +56,7 @@ def invalid_values(kind):
 
 
 LEAVES = list(typed_leaves(defaults.default_config()))
-SIGNED = {"fedma.mu0_bias"}  # settings where any finite number is valid
+SIGNED = {"fedma.mu0_bias", "flchain.tamper_scale"}  # any finite number is valid
 
 
 def test_every_default_leaf_has_a_rule_and_every_rule_a_leaf():

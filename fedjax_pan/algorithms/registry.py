@@ -22,6 +22,7 @@ from fedjax_pan.algorithms.fedala import ENTRY as FEDALA
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.feddyn import ENTRY as FEDDYN
 from fedjax_pan.algorithms.fedma import ENTRY as FEDMA
+from fedjax_pan.algorithms.flchain import ENTRY as FLCHAIN
 from fedjax_pan.algorithms.fedprox import ENTRY as FEDPROX
 from fedjax_pan.algorithms.fedrep import ENTRY as FEDREP
 from fedjax_pan.algorithms.fedrod import ENTRY as FEDROD
@@ -83,6 +84,7 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "pfedeff": PFEDEFF,
     "ktpfl": KTPFL,
     "siren": SIREN,
+    "flchain": FLCHAIN,
 }
 
 

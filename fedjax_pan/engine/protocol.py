@@ -277,7 +277,8 @@ class Round(Protocol):
     where clients are scored on the global model; `personal_groups(state)` -> for clients
     of several networks, [(network, client ids, stacked variables)] per network, else None.
     `num_sampled`: clients a round; `shapes_change`: checkpoints restore the saved shapes
-    (a model that grows).
+    (a model that grows). A round that keeps records beside the run (FLChain's ledger) may
+    also define `attach(workdir, resume)`, which the training loop calls before `init`.
     """
 
     num_sampled: int

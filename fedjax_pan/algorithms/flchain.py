@@ -1,0 +1,534 @@
+"""FLChain (Majeed & Hong 2019; slides 001, Algorithm 1): FL whose global models live on a
+permissioned ledger per channel instead of a trusted server.
+
+Setup: each channel j holds one global model M_j. Devices inquire the channels (their
+loads), select one (`selection`: 'random', or 'least_loaded': fewest registered, ties
+to the lower id) and register with it: a signed registration in the channel's genesis
+block, which also fixes the validators' keys, the quorum, the initial model and the
+update rule. Each round, the sampled devices of channel j download w_j(t), take their
+local steps (FedAvg's clients, as configured), store their update content-addressed and
+forward a signed transaction (device, channel, round, digest, examples) to the pool.
+The global model is Eq. (7), w_j(t+1) = sum_i |D_i| w_ij(t) / sum_i |D_i| (as FedAvg's
+server computes it, with the configured server optimiser; sgd(1) is Eq. 7 itself).
+
+Consensus (the paper leaves it open; assumed here: PBFT-style, rotating proposer). n
+validators tolerate f = (n - 1) // 3 faults; a block commits with ceil((n + f + 1) / 2)
+votes, 2f + 1 of 3f + 1. The round's proposer (validator (t + j + a) % n at attempt a)
+builds a block: the pool's transactions, their Merkle root, the state root of the model
+they aggregate to, the previous block's hash. Each honest validator checks every
+signature and round, that the block holds exactly the pool, and recomputes the aggregate
+from the stored updates; it signs the block's hash only if the state root matches. A
+rejected proposal is retried by the next proposer after a view-change `timeout`.
+
+Faults: validators 0 .. `faulty` - 1 are faulty from round `tamper_from` on. A faulty
+proposer tampers (`tamper`): 'scale' multiplies the global model by `tamper_scale`;
+'drop' leaves out one device's transaction; 'backdoor' inserts the model of a registered
+device trained on backdoored data (attacks.py's pattern, boosted x10) under that device's
+name, which it cannot sign. Faulty validators vote for faulty proposals and against
+honest ones. With n = 1 the one validator is a central server: its own vote commits.
+
+Latency (simulated, logged with each block's header): every validator receives the
+round's updates (latency + pool bytes / bandwidth); an attempt is PBFT's three phases: a
+pre-prepare, the proposer sending the block to n - 1 validators (latency + (n - 1)(block
+bytes / bandwidth + message_seconds)), then prepare and commit, each validator receiving
+n - 1 votes of 100 bytes (latency + (n - 1)(100 / bandwidth + message_seconds) each); a
+rejected attempt adds a view-change `timeout`; devices download the model (latency +
+model bytes / bandwidth); a round lasts at least `block_interval`. Channels share the
+validators' links and time (bandwidth / channels, message_seconds x channels each).
+
+Alg. 1's loop `while ||w(t) - w(t-1)|| > epsilon` (the slide's inequality inverted): a
+channel whose committed model moved by <= `epsilon` has converged and stops (epsilon 0:
+only a model that did not move).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import tempfile
+from typing import Any, Dict, List, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from fedjax_pan import ledger as ledger_lib
+from fedjax_pan.algorithms.core import AlgorithmEntry, Aggregator, tree_bytes
+from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.engine.services import Services, SimState
+from fedjax_pan.errors import ConfigError
+from fedjax_pan.rules import between, one_of
+
+PyTree = Any
+tree_map = jax.tree_util.tree_map
+SELECTIONS = ("random", "least_loaded")
+TAMPERS = ("scale", "drop", "backdoor")
+OPTIONS = {"channels": 1, "selection": "least_loaded", "validators": 4, "faulty": 0,
+           "tamper": "scale", "tamper_from": 0, "tamper_scale": -1.0, "block_interval": 1.0,
+           "bandwidth": 1.25e7, "latency": 0.02, "message_seconds": 1e-4, "timeout": 2.0,
+           "epsilon": 0.0}
+RULES = {"channels": between(1, 1000, integer=True), "selection": one_of(SELECTIONS),
+         "validators": between(1, 1000, integer=True), "faulty": between(0, 1000, integer=True),
+         "tamper": one_of(TAMPERS), "tamper_from": between(0, 1e9, integer=True),
+         "tamper_scale": between(-1e6, 1e6), "block_interval": between(0, 1e6),
+         "bandwidth": between(1, 1e15), "latency": between(0, 1e3),
+         "message_seconds": between(0, 1e3),
+         "timeout": between(0, 1e6), "epsilon": between(0, 1e12)}
+VOTE_BYTES = 100  # a vote: validator id, block hash (32), Ed25519 signature (64)
+_SELECT_STREAM = 0xC4A2
+# The clients' outputs, each kept (they become transactions).
+_EACH = Aggregator(lambda outputs, weights, arrivals=None: outputs, stacked=True)
+
+
+def select_channels(num_devices: int, channels: int, selection: str, seed: int) -> np.ndarray:
+    """(K,) each device's channel: devices inquire the channels' loads in id order and pick
+    one at random (from the seed) or the least loaded (ties: the lower id)."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"unknown selection {selection!r}; expected one of {SELECTIONS}")
+    if selection == "random":
+        return np.random.default_rng([seed, _SELECT_STREAM]).integers(0, channels, num_devices)
+    load = np.zeros(channels, np.int64)
+    out = np.zeros(num_devices, np.int64)
+    for i in range(num_devices):
+        out[i] = int(np.argmin(load))  # argmin takes the first of equal loads
+        load[out[i]] += 1
+    return out
+
+
+def round_seconds(options: Dict[str, float], validators: int, channels: int, pool_bytes: int,
+                  block_bytes: int, model_bytes: int, attempts: int) -> Dict[str, float]:
+    """A channel round's simulated duration under the latency model (module docstring)."""
+    o = options
+    bw = o["bandwidth"] / channels  # the channels' traffic shares every link
+    check = o["message_seconds"] * channels  # and every validator's time per message
+    pool = o["latency"] + pool_bytes / bw
+    attempt = 0.0
+    if validators > 1:
+        pre_prepare = o["latency"] + (validators - 1) * (block_bytes / bw + check)
+        vote_phase = o["latency"] + (validators - 1) * (VOTE_BYTES / bw + check)
+        attempt = pre_prepare + 2 * vote_phase
+    consensus = attempts * attempt + (attempts - 1) * o["timeout"]
+    download = o["latency"] + model_bytes / bw
+    return {"seconds": max(o["block_interval"], pool + consensus + download),
+            "pool_seconds": pool, "consensus_seconds": consensus,
+            "download_seconds": download}
+
+
+class ChannelRule:
+    """A channel's global-model update from its transactions' updates: Eq. (7) through
+    FedAvg's server update, summed in transaction order as the engine's loop executor sums
+    (so an honest channel is FedAvg's run to the bit)."""
+
+    def __init__(self, rule: Dict[str, Any]):
+        from fedjax_pan.algorithms.registry import server_optimizer
+        self.rule = dict(rule)
+        alg = fedavg(None, None, server_optimizer(rule["optimizer"], rule["lr"],
+                                                  rule["momentum"]))
+        self.server_init = alg.server_init
+        self.eval_variables = alg.eval_variables
+        self._add = jax.jit(lambda acc, out, w: tree_map(
+            lambda a, o: a + o * w.astype(o.dtype), acc, out))
+        self._update = jax.jit(lambda server, total, w: alg.server_update(
+            server, alg.aggregator.finalize(total, jnp.sum(w)), None))
+
+    def weights(self, examples: List[int]) -> np.ndarray:
+        if self.rule["weights"] == "uniform":
+            return np.ones(len(examples))
+        return np.asarray(examples, np.float64)
+
+    def step(self, server: Any, updates: List[PyTree], examples: List[int]) -> Any:
+        w = self.weights(examples)
+        total = tree_map(jnp.zeros_like, updates[0])
+        for update, wi in zip(updates, w):
+            total = self._add(total, update, jnp.float32(wi))
+        return self._update(server, total, jnp.asarray(w, jnp.float32))
+
+
+@functools.lru_cache(maxsize=8)
+def _rule(encoded: bytes) -> ChannelRule:
+    """The rule a genesis block names, built (and compiled) once per process."""
+    return ChannelRule(json.loads(encoded))
+
+
+class Replay:
+    """A channel's state as the audit replays it (`ledger.verify`): its genesis, device
+    keys, the update rule, and the server state after the blocks so far."""
+
+    def __init__(self, genesis_header, keys, rule, template, server, round_index, root):
+        self.genesis_header, self.keys, self.rule = genesis_header, keys, rule
+        self.template, self.server, self.round, self.root = (template, server, round_index,
+                                                             root)
+
+    @property
+    def variables(self) -> PyTree:
+        return self.rule.eval_variables(self.server)
+
+    @staticmethod
+    def genesis(header: Dict[str, Any], keys: Dict[int, str],
+                model: Dict[str, np.ndarray]) -> "Replay":
+        variables = _nest(model)
+        rule = _rule(ledger_lib.canonical(header["rule"]))
+        server = rule.server_init(variables)
+        params = variables["params"]
+        template = {"delta": params, "model_state": {k: v for k, v in variables.items()
+                                                     if k != "params"}}
+        return Replay(header, keys, rule, template, server, -1, header["state_root"])
+
+    def decode_update(self, data: bytes) -> PyTree:
+        return ledger_lib.unflatten(ledger_lib.decode_tree(data), self.template)
+
+    def apply(self, updates: List[PyTree], examples: List[int], round_index: int) -> "Replay":
+        if not updates:  # a block without transactions leaves the model as it was
+            return Replay(self.genesis_header, self.keys, self.rule, self.template,
+                          self.server, round_index, self.root)
+        server = self.rule.step(self.server, updates, examples)
+        root = ledger_lib.state_root(self.rule.eval_variables(server))
+        return Replay(self.genesis_header, self.keys, self.rule, self.template, server,
+                      round_index, root)
+
+
+def _nest(flat: Dict[str, np.ndarray]) -> Dict[str, Any]:
+    """{'a/b/c': x} -> {'a': {'b': {'c': x}}}."""
+    out: Dict[str, Any] = {}
+    for path, x in flat.items():
+        node = out
+        *parents, last = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = x
+    return out
+
+
+class FLChain:
+    """FLChain's channels, ledgers and consensus as an `engine.protocol.Round`."""
+
+    shapes_change = False
+
+    def __init__(self, model: nn.Module, client_tx: optax.GradientTransformation,
+                 services: Services, options: Dict[str, Any], rule: Dict[str, Any],
+                 seed: int, bn: str, num_classes: int, backdoor_target: int = 2):
+        from fedjax_pan.algorithms.registry import server_optimizer
+        self.services, self.o, self.seed = services, dict(options), seed
+        self.num_sampled = services.num_sampled
+        self.n = int(self.o["validators"])
+        self.num_channels = int(self.o["channels"])
+        self.quorum = ledger_lib.quorum(self.n)
+        self.rule = ChannelRule(rule)
+        self.algorithm = fedavg(model, client_tx, server_optimizer(
+            rule["optimizer"], rule["lr"], rule["momentum"]), bn=bn)._replace(aggregator=_EACH)
+        k = services.num_clients
+        self.channel_of = select_channels(k, self.num_channels, self.o["selection"], seed)
+        self._device_keys: Dict[int, Any] = {}
+        self.validator_keys = [ledger_lib.signing_key(seed, "validator", v)
+                               for v in range(self.n)]
+        self.num_classes, self.backdoor_target = num_classes, backdoor_target
+        self.ledger: Optional[ledger_lib.Ledger] = None
+        self._heads: Dict[int, Dict[str, Any]] = {}
+
+    # --- the ledger's place ------------------------------------------------------------
+
+    def attach(self, workdir: str, resume: bool) -> None:
+        """Keeps the ledger in `workdir/ledger`; a resumed run's ledger must verify."""
+        root = os.path.join(workdir, "ledger")
+        if resume and os.path.isdir(root):
+            try:
+                ledger_lib.verify(workdir)
+            except ledger_lib.LedgerError as e:
+                raise ConfigError(f"cannot resume {workdir!r}: its ledger does not verify: "
+                                  f"{e}") from None
+        self.ledger = ledger_lib.Ledger(root)
+
+    def device_key(self, i: int) -> Any:
+        if i not in self._device_keys:
+            self._device_keys[i] = ledger_lib.signing_key(self.seed, "device", i)
+        return self._device_keys[i]
+
+    def devices(self, channel: int) -> np.ndarray:
+        return np.flatnonzero(self.channel_of == channel)
+
+    def init(self, variables: PyTree) -> SimState:
+        if self.ledger is None:  # no workdir (a notebook): a ledger deleted with the driver
+            self._tmp = tempfile.TemporaryDirectory(prefix="fedjax_pan_flchain_")
+            self.ledger = ledger_lib.Ledger(os.path.join(self._tmp.name, "ledger"))
+        variables = jax.device_get(variables)
+        server = self.rule.server_init(variables)
+        model = ledger_lib.encode_tree(variables)
+        digest = self.ledger.put(model)
+        root = ledger_lib.state_root(variables)
+        for j in range(self.num_channels):
+            txs = [ledger_lib.registration(self.device_key(int(i)), j, int(i))
+                   for i in self.devices(j)]
+            header = {"channel": j, "height": 0, "round": -1,
+                      "prev_hash": ledger_lib.GENESIS_PREV,
+                      "tx_root": ledger_lib.merkle_root([ledger_lib.canonical(t) for t in txs]),
+                      "state_root": root, "model": digest, "rule": self.rule.rule,
+                      "validators": [ledger_lib.public_hex(key) for key in self.validator_keys],
+                      "quorum": self.quorum}
+            block = {"header": header, "hash": ledger_lib.block_hash(header),
+                     "transactions": txs, "votes": []}
+            self.ledger.append(block)
+            self._heads[j] = block
+        servers = tuple(server for _ in range(self.num_channels))
+        c = self.num_channels
+        return SimState({"channels": servers, "height": jnp.zeros(c, jnp.int32),
+                         "converged": jnp.zeros(c, bool), "time": jnp.zeros((), jnp.float32)},
+                        None, 0)
+
+    def _head(self, j: int, height: int, server: Any) -> Dict[str, Any]:
+        """Channel j's last block (height `height`), checked to hold `server`'s model."""
+        head = self._heads.get(j)
+        if head is None or head["header"]["height"] != height:
+            path = self.ledger.block_path(j, height)
+            if not os.path.exists(path):
+                raise ConfigError(f"{path} is missing: the ledger of channel {j} ends before "
+                                  f"the checkpoint's block {height}")
+            head = self.ledger.read(j, height)
+            if head["header"]["state_root"] != ledger_lib.state_root(
+                    self.rule.eval_variables(server)):
+                raise ConfigError(f"{path}: the ledger's block {height} of channel {j} does "
+                                  f"not hold the checkpoint's global model")
+            self._heads[j] = head
+        return head
+
+    # --- the engine's contract ---------------------------------------------------------
+
+    def evaluation(self, server: Dict[str, Any]) -> tuple:
+        return None, self.rule.eval_variables(server["channels"][0])
+
+    def personal_evaluation(self, state: SimState) -> Optional[PyTree]:
+        """Each device scored on its own channel's model (None with one channel)."""
+        if self.num_channels == 1:
+            return None
+        models = [self.rule.eval_variables(s) for s in state.server["channels"]]
+        stacked = tree_map(lambda *x: jnp.stack(x), *models)
+        return tree_map(lambda x: x[jnp.asarray(self.channel_of)], stacked)
+
+    def personal_groups(self, state: SimState) -> None:
+        return None
+
+    def round(self, state: SimState) -> tuple:
+        t, s = state.round, state.server
+        ids = self.services.sample(t)
+        heights = np.asarray(s["height"]).copy()
+        converged = np.asarray(s["converged"]).copy()
+        servers = list(s["channels"])
+        sums, computed, real, download, trained = None, 0, 0, 0.0, []
+        sim = {"sim_round_seconds": 0.0, "sim_attempts": 0, "sim_rejected": 0,
+               "sim_blocks": 0}
+        for j in range(self.num_channels):
+            mine = ids[self.channel_of[ids] == j]
+            if converged[j] or not len(mine):
+                continue
+            head = self._head(j, int(heights[j]), servers[j])
+            cohort = self.services.cohort(mine, t, None)
+            result = self.services.train("flchain", self.algorithm,
+                                         self.rule.eval_variables(servers[j]), cohort,
+                                         servers[j])
+            metrics = jax.device_get(result.metrics)
+            sums = metrics if sums is None else tree_map(lambda a, b: a + b, sums, metrics)
+            computed += result.computed_examples
+            real += self.services.real_examples(mine)
+            download += float(len(mine) * tree_bytes(self.rule.eval_variables(servers[j])))
+            trained += list(mine)
+            outputs = jax.device_get(result.outputs)
+            updates = [tree_map(lambda x: x[m], outputs) for m in range(len(mine))]
+            committed = self._consensus(j, t, head, servers[j], mine, updates)
+            if committed is None:  # no quorum: the channel stalls this round
+                continue
+            block, server, timing = committed
+            old = self.rule.eval_variables(servers[j])["params"]
+            moved = _distance(old, self.rule.eval_variables(server)["params"])
+            servers[j], heights[j] = server, block["header"]["height"]
+            converged[j] = moved <= self.o["epsilon"]
+            sim["sim_round_seconds"] = max(sim["sim_round_seconds"], timing["seconds"])
+            sim["sim_attempts"] += timing["attempts"]
+            sim["sim_rejected"] += timing["attempts"] - 1
+            sim["sim_blocks"] += 1
+        if sums is None:
+            stats = {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
+                     "upload_bytes": 0.0, "download_bytes": 0.0, "clients": 0}
+        else:
+            stats = self.services.statistics(sums, real_examples=real,
+                                             computed_examples=computed,
+                                             download_bytes=download, clients=len(trained))
+        clock = float(s["time"]) + sim["sim_round_seconds"]
+        stats.update(sim, sim_time=clock, sim_converged=int(converged.sum()))
+        server = {"channels": tuple(servers), "height": jnp.asarray(heights, jnp.int32),
+                  "converged": jnp.asarray(converged), "time": jnp.float32(clock)}
+        return SimState(server, None, t + 1), stats
+
+    # --- consensus -----------------------------------------------------------------------
+
+    def _faulty(self, v: int, t: int) -> bool:
+        return v < self.o["faulty"] and t >= self.o["tamper_from"]
+
+    def _consensus(self, j: int, t: int, head: Dict[str, Any], server: Any,
+                   devices: np.ndarray, updates: List[PyTree]) -> Optional[tuple]:
+        """Channel j's round t: the devices' transactions pooled, then proposals until one
+        gathers a quorum. (committed block, new server state, timing), or None."""
+        sizes = self.services.data.sizes
+        pool, data = [], {}
+        for i, update in zip(devices, updates):
+            raw = ledger_lib.encode_tree(update)
+            digest = self.ledger.put(raw)
+            data[digest] = update
+            pool.append(ledger_lib.transaction(self.device_key(int(i)), j, t, int(i), digest,
+                                               int(sizes[i]), len(raw)))
+        pool_bytes = sum(tx["bytes"] for tx in pool)
+        honest = {}  # the aggregate an honest validator recomputes, per transaction set
+
+        def aggregate(txs):
+            key = tuple(tx["digest"] for tx in txs)
+            if key not in honest:
+                new = self.rule.step(server, [data[tx["digest"]] for tx in txs],
+                                     [tx["examples"] for tx in txs])
+                honest[key] = (new, ledger_lib.state_root(self.rule.eval_variables(new)))
+            return honest[key]
+
+        keys = {int(i): ledger_lib.public_hex(self.device_key(int(i)))
+                for i in self.devices(j)}
+        pooled = {ledger_lib.sha256(ledger_lib.canonical(tx)) for tx in pool}
+
+        def check(block):
+            """Why an honest validator rejects `block` (None: it votes for it)."""
+            h = block["header"]
+            if h["prev_hash"] != head["hash"] or h["height"] != head["header"]["height"] + 1:
+                return "it does not extend the channel's head"
+            for tx in block["transactions"]:
+                why = ledger_lib.check_transaction(tx, j, t, keys)
+                if why:
+                    return why
+            held = {ledger_lib.sha256(ledger_lib.canonical(tx)) for tx in block["transactions"]}
+            if held != pooled:
+                missing = [tx["device"] for tx in pool
+                           if ledger_lib.sha256(ledger_lib.canonical(tx)) not in held]
+                return (f"it omits the pooled transaction of device {missing[0]}" if missing
+                        else "it holds a transaction not in the pool")
+            txs = block["transactions"]
+            if ledger_lib.merkle_root([ledger_lib.canonical(x) for x in txs]) != h["tx_root"]:
+                return "its Merkle root does not match its transactions"
+            if aggregate(txs)[1] != h["state_root"]:
+                return "its state root is not the aggregate of its transactions' updates"
+            return None
+
+        rejected = []
+        for attempt in range(self.n):
+            proposer = (t + j + attempt) % self.n
+            bad = self._faulty(proposer, t)
+            txs, new = self._proposal(j, t, pool, data, server, aggregate, bad, proposer)
+            variables = self.rule.eval_variables(new)
+            model = ledger_lib.encode_tree(variables)
+            header = {"channel": j, "height": head["header"]["height"] + 1, "round": t,
+                      "prev_hash": head["hash"],
+                      "tx_root": ledger_lib.merkle_root([ledger_lib.canonical(x) for x in txs]),
+                      "state_root": ledger_lib.state_root(variables),
+                      "model": ledger_lib.sha256(model), "proposer": proposer,
+                      "rejected": list(rejected)}
+            block_bytes = len(ledger_lib.canonical({"header": header, "transactions": txs}))
+            timing = round_seconds(self.o, self.n, self.num_channels, pool_bytes, block_bytes,
+                                   len(model), attempt + 1)
+            header["sim"] = {**timing, "attempts": attempt + 1}
+            block = {"header": header, "hash": ledger_lib.block_hash(header),
+                     "transactions": txs, "votes": []}
+            why = check(block)
+            yes = [v for v in range(self.n)
+                   if (bad if self._faulty(v, t) else why is None)]
+            if len(yes) >= self.quorum:
+                digest = bytes.fromhex(block["hash"])
+                block["votes"] = [{"validator": v, "signature": ledger_lib.sign(
+                    self.validator_keys[v], ledger_lib.VOTE_DOMAIN, digest)} for v in yes]
+                self.ledger.put(model)
+                self.ledger.append(block)
+                self._heads[j] = block
+                return block, new, header["sim"]
+            rejected.append({"proposer": proposer, "votes": len(yes),
+                             "reason": why or "honest validators outvoted"})
+        return None
+
+    def _proposal(self, j: int, t: int, pool: List[Dict[str, Any]], data: Dict[str, Any],
+                  server: Any, aggregate: Any, bad: bool, proposer: int) -> tuple:
+        """(transactions, new server state) the proposer puts in its block."""
+        if not bad:
+            return pool, aggregate(pool)[0]
+        kind = self.o["tamper"]
+        if kind == "scale":
+            new = aggregate(pool)[0]
+            scale = self.o["tamper_scale"]
+            return pool, new._replace(params=tree_map(lambda w: w * scale, new.params))
+        if kind == "drop" and len(pool) > 1:
+            txs = pool[1:]
+            return txs, aggregate(txs)[0]
+        if kind == "drop":  # one device: dropping it leaves the model unchanged
+            return [], server
+        # backdoor: a registered device's model trained on backdoored data, under its name.
+        present = {tx["device"] for tx in pool}
+        victim = next((int(i) for i in self.devices(j) if int(i) not in present),
+                      pool[0]["device"])
+        update = self._backdoored(victim, t, server)
+        raw = ledger_lib.encode_tree(update)
+        digest = self.ledger.put(raw)
+        data[digest] = update
+        forged = {"type": "update", "channel": j, "round": t, "device": victim,
+                  "digest": digest, "examples": int(self.services.data.sizes[victim]),
+                  "bytes": len(raw)}
+        # Signed with the proposer's own key: it lacks the device's.
+        forged["signature"] = ledger_lib.sign(self.validator_keys[proposer], ledger_lib.TX_DOMAIN,
+                                              ledger_lib.canonical(forged))
+        txs = sorted([tx for tx in pool if tx["device"] != victim] + [forged],
+                     key=lambda tx: tx["device"])
+        return txs, aggregate(txs)[0]
+
+    def _backdoored(self, device: int, t: int, server: Any) -> PyTree:
+        from fedjax_pan.algorithms import attacks
+        attack = attacks.Attack("backdoor", self.num_classes, attacks.DEFAULT_SCALE["backdoor"],
+                                self.backdoor_target)
+        alg = attacks.with_attack(self.algorithm, attack,
+                                  np.ones(self.services.num_clients, bool))
+        cohort = self.services.cohort(np.asarray([device]), t, None, stage=1)
+        result = self.services.train("flchain-backdoor", alg, self.rule.eval_variables(server),
+                                     cohort, server, per_round=1)
+        return tree_map(lambda x: x[0], jax.device_get(result.outputs))
+
+
+def _distance(a: PyTree, b: PyTree) -> float:
+    """||a - b||_2 over all leaves."""
+    return float(np.sqrt(sum(float(np.sum((np.asarray(x, np.float64)
+                                           - np.asarray(y, np.float64)) ** 2))
+                             for x, y in zip(jax.tree_util.tree_leaves(a),
+                                             jax.tree_util.tree_leaves(b)))))
+
+
+def _no_round(model, cfg, client_tx, server_tx):
+    raise ValueError("flchain runs through its driver (`from_config`), not as one compiled "
+                     "federated round")
+
+
+def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                services: Services) -> FLChain:
+    """The `FLChain` driver `config.flchain` describes."""
+    s = cfg.server
+    rule = {"optimizer": s.optimizer, "lr": float(s.lr), "momentum": float(s.momentum),
+            "weights": cfg.aggregation.weights}
+    return FLChain(model, client_tx, services, cfg.flchain.to_dict(), rule, cfg.seed,
+                   cfg.aggregation.bn, int(services.data.label_counts.shape[1]),
+                   int(cfg.attack.target))
+
+
+def _check(cfg: Any) -> None:
+    o = cfg.flchain
+    if o.faulty > o.validators:
+        raise ValueError(f"flchain.faulty={o.faulty} exceeds flchain.validators="
+                         f"{o.validators}")
+    if cfg.aggregation.rule != "mean":
+        raise ValueError(f"aggregation.rule={cfg.aggregation.rule!r}: a channel's global "
+                         f"model is Eq. 7, the weighted mean its validators recompute (set "
+                         f"aggregation.rule='mean')")
+    if cfg.aggregation.bn != "mean":
+        raise ValueError(f"aggregation.bn={cfg.aggregation.bn!r}: a channel's ledger holds "
+                         f"one global model, statistics included (set aggregation.bn='mean')")
+
+
+ENTRY = AlgorithmEntry(_no_round, OPTIONS, RULES, driver=from_config, check=_check)
