@@ -509,6 +509,11 @@ def _no_round(model, cfg, client_tx, server_tx):
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 services: Services) -> FLChain:
     """The `FLChain` driver `config.flchain` describes."""
+    # Refused here, not in `_check`: every shipped preset validates with every algorithm.
+    if cfg.aggregation.rule != "mean":
+        raise ValueError(f"aggregation.rule={cfg.aggregation.rule!r}: a channel's global "
+                         f"model is Eq. 7, the weighted mean its validators recompute (set "
+                         f"aggregation.rule='mean')")
     s = cfg.server
     rule = {"optimizer": s.optimizer, "lr": float(s.lr), "momentum": float(s.momentum),
             "weights": cfg.aggregation.weights}
@@ -522,10 +527,6 @@ def _check(cfg: Any) -> None:
     if o.faulty > o.validators:
         raise ValueError(f"flchain.faulty={o.faulty} exceeds flchain.validators="
                          f"{o.validators}")
-    if cfg.aggregation.rule != "mean":
-        raise ValueError(f"aggregation.rule={cfg.aggregation.rule!r}: a channel's global "
-                         f"model is Eq. 7, the weighted mean its validators recompute (set "
-                         f"aggregation.rule='mean')")
     if cfg.aggregation.bn != "mean":
         raise ValueError(f"aggregation.bn={cfg.aggregation.bn!r}: a channel's ledger holds "
                          f"one global model, statistics included (set aggregation.bn='mean')")
