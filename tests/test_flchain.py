@@ -233,9 +233,9 @@ def test_a_central_server_inserting_a_backdoored_model_is_caught_by_the_audit(tm
 
 
 def test_more_than_f_faulty_validators_stall_the_channel(tmp_path):
-    summary = _run(tmp_path, rounds=2, flchain__validators=4, flchain__faulty=2)
+    summary = _run(tmp_path, rounds=1, flchain__validators=4, flchain__faulty=2)
     rows = metrics(str(tmp_path))
-    assert [r["sim_blocks"] for r in rows] == [0, 0]
+    assert [r["sim_blocks"] for r in rows] == [0]
     assert ledger.Ledger(str(tmp_path / "ledger")).heights(0) == [0]
     start = jax.tree_util.tree_leaves(summary.experiment.variables["params"])
     for a, b in zip(start, _params(summary)):
@@ -263,7 +263,7 @@ def test_resume_continues_the_ledger_and_refuses_a_tampered_one(honest, tmp_path
 
 
 def test_channels_train_their_own_models(tmp_path):
-    summary = _run(tmp_path, rounds=2, flchain__channels=2, partition__test_fraction=0.2)
+    summary = _run(tmp_path, rounds=1, flchain__channels=2, partition__test_fraction=0.2)
     chain = summary.experiment.simulation
     for j in range(2):
         genesis = ledger.Ledger(str(tmp_path / "ledger")).read(j, 0)
@@ -313,10 +313,10 @@ def test_latency_model_by_hand():
 
 
 def test_a_converged_channel_stops(tmp_path):
-    _run(tmp_path, rounds=3, flchain__epsilon=1e9)
+    _run(tmp_path, rounds=2, flchain__epsilon=1e9)
     rows = metrics(str(tmp_path))
-    assert [r["sim_blocks"] for r in rows] == [1, 0, 0]
-    assert [r["sim_converged"] for r in rows] == [1, 1, 1]
+    assert [r["sim_blocks"] for r in rows] == [1, 0]
+    assert [r["sim_converged"] for r in rows] == [1, 1]
 
 
 def test_config_errors_name_the_setting(tmp_path):

@@ -117,6 +117,9 @@ def test_the_alarm_rule_by_hand(monkeypatch):
     np.testing.assert_array_equal(alarm, want)
 
 
+# Slow (8 s): the default run checks Siren's rules by hand and drivers' resume through
+# FedMA and FLChain; this is Siren's own run from a config.
+@pytest.mark.slow
 def test_siren_runs_from_a_config_and_resumes_exactly(tmp_path):
     changes = dict(algorithm="siren", partition__test_fraction=0.2, attack__kind="sign_flip",
                    attack__fraction=0.4, participation=1.0, partition__num_clients=6,
