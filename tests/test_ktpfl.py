@@ -147,7 +147,8 @@ def _run(sim, rounds=2):
 
 
 @pytest.mark.parametrize("strategy", ["loop", "vmap"])
-@pytest.mark.parametrize("arch", [[0, 1, 0, 1, 0, 1], [1, 1, 0, 0, 0, 1]])
+@pytest.mark.parametrize("arch", [[0, 1, 0, 1, 0, 1],
+                                  pytest.param([1, 1, 0, 0, 0, 1], marks=pytest.mark.slow)])
 def test_one_network_in_two_groups_equals_one_group(strategy, arch):
     """Grouping is bookkeeping: the same network split into two groups of clients trains,
     stores soft predictions and steps c exactly as one federation of that network."""

@@ -78,7 +78,10 @@ def test_sageflow_filters_weighs_and_groups_by_hand():
     np.testing.assert_allclose(none["params"]["w"], [10.0])
 
 
-@pytest.mark.parametrize("rule", ["sageflow", "fedasync", "zeno"])
+# SageFlow by default; FedAsync and Zeno are checked by hand (here, test_robust.py), their
+# runs from a config are slow.
+@pytest.mark.parametrize("rule", ["sageflow", *(pytest.param(r, marks=pytest.mark.slow)
+                                                for r in ("fedasync", "zeno"))])
 def test_staleness_rules_run_from_a_config_with_stragglers(tmp_path, rule):
     run = str(tmp_path / rule)
     experiment.train(config(rounds=3, straggler__max_delay=2, aggregation__rule=rule,
