@@ -335,3 +335,19 @@ def test_config_errors_name_the_setting(tmp_path):
     with pytest.raises(ConfigError, match="flchain.selection"):
         _run(tmp_path / "c", flchain__selection="nearest")
     assert not os.path.exists(tmp_path / "a")
+
+
+def test_a_full_disk_under_the_ledger_ends_in_one_line(tmp_path, monkeypatch):
+    from fedjax_pan.errors import WorkdirError
+    put, calls = ledger.Ledger.put, []
+
+    def full_after_genesis(self, data):
+        calls.append(1)
+        if len(calls) > 1:  # the initial model went in; round 0's first update does not
+            raise OSError(28, "No space left on device")
+        return put(self, data)
+    monkeypatch.setattr(ledger.Ledger, "put", full_after_genesis)
+    with pytest.raises(WorkdirError, match="cannot write the ledger in .*No space left") as e:
+        _run(tmp_path / "w", rounds=1)
+    assert e.value.status == 4 and "\n" not in str(e.value)
+    assert not os.path.exists(tmp_path / "w")  # nothing of the run was saved

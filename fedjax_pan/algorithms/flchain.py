@@ -56,6 +56,7 @@ import numpy as np
 import optax
 
 from fedjax_pan import ledger as ledger_lib
+from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, Aggregator, tree_bytes
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.engine.services import Services, SimState
@@ -79,6 +80,7 @@ RULES = {"channels": between(1, 1000, integer=True), "selection": one_of(SELECTI
          "timeout": between(0, 1e6), "epsilon": between(0, 1e12)}
 VOTE_BYTES = 100  # a vote: validator id, block hash (32), Ed25519 signature (64)
 _SELECT_STREAM = 0xC4A2
+_KEPT = lambda: "the blocks committed before are kept"  # noqa: E731 - what a fault leaves
 # The clients' outputs, each kept (they become transactions).
 _EACH = Aggregator(lambda outputs, weights, arrivals=None: outputs, stacked=True)
 
@@ -253,6 +255,11 @@ class FLChain:
         if self.ledger is None:  # no workdir (a notebook): a ledger deleted with the driver
             self._tmp = tempfile.TemporaryDirectory(prefix="fedjax_pan_flchain_")
             self.ledger = ledger_lib.Ledger(os.path.join(self._tmp.name, "ledger"))
+        with workdir_lib.writing(f"the ledger in {self.ledger.root}", _KEPT):
+            return self._genesis(variables)
+
+    def _genesis(self, variables: PyTree) -> SimState:
+        """Each channel's genesis block written; the state before round 0."""
         variables = jax.device_get(variables)
         server = self.rule.server_init(variables)
         model = ledger_lib.encode_tree(variables)
@@ -335,7 +342,8 @@ class FLChain:
             trained += list(mine)
             outputs = jax.device_get(result.outputs)
             updates = [tree_map(lambda x: x[m], outputs) for m in range(len(mine))]
-            committed = self._consensus(j, t, head, servers[j], mine, updates)
+            with workdir_lib.writing(f"the ledger in {self.ledger.root}", _KEPT):
+                committed = self._consensus(j, t, head, servers[j], mine, updates)
             if committed is None:  # no quorum: the channel stalls this round
                 continue
             block, server, timing = committed
