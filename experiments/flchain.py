@@ -2,7 +2,7 @@
 recompute the aggregate, and what consensus costs.
 
 Part 1, tampering. One seed, three runs of the same federation and training:
-  honest    FLChain with 4 validators, none faulty (the ledger only records: FedAvg's run)
+  honest    FLChain with 4 validators, none faulty (the ledger only records)
   central   one validator (a central server) that from round index `tamper_from` on commits
             `tamper_scale` x the aggregate: its blocks commit, accuracy collapses
   chain     4 validators (f = 1), validator 0 tampering the same way from the same round:
@@ -207,7 +207,7 @@ def plot(curves: Dict[str, Sequence[Dict[str, Any]]], costs: Sequence[Dict[str, 
     fig = Figure(figsize=(11, 4))
     FigureCanvasAgg(fig)
     ax_acc, ax_cost = fig.subplots(1, 2)
-    labels = {"honest": "FLChain, honest (= FedAvg)",
+    labels = {"honest": "FLChain, honest",
               "central": "central server, tampering",
               "chain": f"FLChain, n = {s.validators}, proposer 0 tampering"}
     styles = {"honest": "-", "central": "-", "chain": "--"}

@@ -1,4 +1,4 @@
-"""FLChain: an honest run is FedAvg's to the bit; tampering proposers cannot commit; the
+"""FLChain: an honest run is FedAvg's to the bit (the loop executor's order); tampering proposers cannot commit; the
 audit locates any flipped byte; resume continues a ledger and refuses one that does not
 verify."""
 

@@ -122,7 +122,8 @@ def round_seconds(options: Dict[str, float], validators: int, channels: int, poo
 class ChannelRule:
     """A channel's global-model update from its transactions' updates: Eq. (7) through
     FedAvg's server update, summed in transaction order as the engine's loop executor sums
-    (so an honest channel is FedAvg's run to the bit)."""
+    (so an honest channel is FedAvg's run under that executor to the bit; under vmap, to
+    float32 rounding)."""
 
     def __init__(self, rule: Dict[str, Any]):
         from fedjax_pan.algorithms.registry import server_optimizer
