@@ -42,7 +42,7 @@ from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.errors import RunError
 
 __all__ = ["LedgerError", "canonical", "sha256", "merkle_root", "encode_tree",
-           "decode_tree", "state_root", "signing_key", "public_hex", "sign",
+           "decode_tree", "encode_with_root", "state_root", "signing_key", "public_hex", "sign",
            "signature_valid", "transaction", "registration", "tx_body", "block_hash",
            "Ledger", "verify", "quorum", "tolerated"]
 
@@ -107,6 +107,13 @@ def _record(path: str, a: np.ndarray) -> bytes:
 def encode_tree(tree: Any) -> bytes:
     """The canonical bytes of a pytree of arrays (the records of its leaves in path order)."""
     return b"".join(_record(p, a) for p, a in _leaves(tree))
+
+
+def encode_with_root(variables: Any) -> Tuple[bytes, str]:
+    """`encode_tree(variables)` and `state_root(variables)` from one pass over the leaves
+    (a committed model is stored and its root checked)."""
+    records = [_record(p, a) for p, a in _leaves(variables)]
+    return b"".join(records), merkle_root(records)
 
 
 def decode_tree(data: bytes) -> Dict[str, np.ndarray]:
@@ -345,18 +352,18 @@ def verify(workdir: str, *, progress: bool = False) -> Dict[str, int]:
     from tqdm.auto import tqdm
 
     # On a terminal only (disable=None): the one-line error stays one line elsewhere.
-    bar = tqdm(total=sum(len(ledger.heights(j)) for j in channels), desc="verifying",
+    heights = {j: ledger.heights(j) for j in channels}
+    bar = tqdm(total=sum(map(len, heights.values())), desc="verifying",
                unit="block", disable=None if progress else True, leave=False)
     try:
         for j in channels:
             replay = None
             prev = None
-            heights = ledger.heights(j)
-            if heights != list(range(len(heights))):
-                missing = sorted(set(range(max(heights) + 1)) - set(heights))
+            if heights[j] != list(range(len(heights[j]))):
+                missing = sorted(set(range(max(heights[j]) + 1)) - set(heights[j]))
                 raise LedgerError(f"{ledger.block_path(j, missing[0])}: block {missing[0]} of "
                                   f"channel {j} is missing")
-            for height in heights:
+            for height in heights[j]:
                 bar.update(1)
                 block = ledger.read(j, height)
                 where = f"{ledger.block_path(j, height)} (block {height} of channel {j})"
@@ -411,7 +418,7 @@ def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: in
             raise LedgerError(f"its quorum {h['quorum']} is not that of "
                               f"{len(h['validators'])} validators")
         model = decode_tree(_object(ledger, h["model"], "its initial model"))
-        if merkle_root([_record(p, model[p]) for p in sorted(model)]) != h["state_root"]:
+        if state_root(model) != h["state_root"]:  # paths are the flat dict's keys
             raise LedgerError("its initial model does not match its state root")
         return flchain.Replay.genesis(h, keys, model)
     genesis = replay.genesis_header
@@ -443,7 +450,7 @@ def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: in
         raise LedgerError("its state root is not the aggregate of its transactions' updates "
                           "(Eq. 7 recomputed from the stored updates)")
     model = _object(ledger, h["model"], "its global model")
-    if sha256(encode_tree(replay.variables)) != h["model"] or sha256(model) != h["model"]:
+    if replay.digest != h["model"] or sha256(model) != h["model"]:
         raise LedgerError("its global model file is not the replayed global model")
     return replay
 

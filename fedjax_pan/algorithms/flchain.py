@@ -47,7 +47,7 @@ import functools
 import json
 import os
 import tempfile
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -156,18 +156,19 @@ def _rule(encoded: bytes) -> ChannelRule:
     return ChannelRule(json.loads(encoded))
 
 
-class Replay:
+class Replay(NamedTuple):
     """A channel's state as the audit replays it (`ledger.verify`): its genesis, device
-    keys, the update rule, and the server state after the blocks so far."""
+    keys, the update rule, and the server state after the blocks so far, with its model's
+    state root and digest."""
 
-    def __init__(self, genesis_header, keys, rule, template, server, round_index, root):
-        self.genesis_header, self.keys, self.rule = genesis_header, keys, rule
-        self.template, self.server, self.round, self.root = (template, server, round_index,
-                                                             root)
-
-    @property
-    def variables(self) -> PyTree:
-        return self.rule.eval_variables(self.server)
+    genesis_header: Dict[str, Any]
+    keys: Dict[int, str]
+    rule: ChannelRule
+    template: PyTree  # an update's structure: {'delta': params, 'model_state': ...}
+    server: Any
+    round: int
+    root: str
+    digest: str
 
     @staticmethod
     def genesis(header: Dict[str, Any], keys: Dict[int, str],
@@ -178,19 +179,19 @@ class Replay:
         params = variables["params"]
         template = {"delta": params, "model_state": {k: v for k, v in variables.items()
                                                      if k != "params"}}
-        return Replay(header, keys, rule, template, server, -1, header["state_root"])
+        return Replay(header, keys, rule, template, server, -1, header["state_root"],
+                      header["model"])
 
     def decode_update(self, data: bytes) -> PyTree:
         return ledger_lib.unflatten(ledger_lib.decode_tree(data), self.template)
 
     def apply(self, updates: List[PyTree], examples: List[int], round_index: int) -> "Replay":
         if not updates:  # a block without transactions leaves the model as it was
-            return Replay(self.genesis_header, self.keys, self.rule, self.template,
-                          self.server, round_index, self.root)
+            return self._replace(round=round_index)
         server = self.rule.step(self.server, updates, examples)
-        root = ledger_lib.state_root(self.rule.eval_variables(server))
-        return Replay(self.genesis_header, self.keys, self.rule, self.template, server,
-                      round_index, root)
+        model, root = ledger_lib.encode_with_root(self.rule.eval_variables(server))
+        return self._replace(server=server, round=round_index, root=root,
+                             digest=ledger_lib.sha256(model))
 
 
 def _nest(flat: Dict[str, np.ndarray]) -> Dict[str, Any]:
@@ -230,6 +231,8 @@ class FLChain:
         self.num_classes, self.backdoor_target = num_classes, backdoor_target
         self.ledger: Optional[ledger_lib.Ledger] = None
         self._heads: Dict[int, Dict[str, Any]] = {}
+        self._keys: Dict[int, Dict[int, str]] = {}
+        self._attacked: Optional[Any] = None  # the backdoor's algorithm, built on first use
 
     # --- the ledger's place ------------------------------------------------------------
 
@@ -263,9 +266,8 @@ class FLChain:
         """Each channel's genesis block written; the state before round 0."""
         variables = jax.device_get(variables)
         server = self.rule.server_init(variables)
-        model = ledger_lib.encode_tree(variables)
+        model, root = ledger_lib.encode_with_root(variables)
         digest = self.ledger.put(model)
-        root = ledger_lib.state_root(variables)
         for j in range(self.num_channels):
             txs = [ledger_lib.registration(self.device_key(int(i)), j, int(i))
                    for i in self.devices(j)]
@@ -331,15 +333,15 @@ class FLChain:
             if converged[j] or not len(mine):
                 continue
             head = self._head(j, int(heights[j]), servers[j])
+            broadcast = self.rule.eval_variables(servers[j])
             cohort = self.services.cohort(mine, t, None)
-            result = self.services.train("flchain", self.algorithm,
-                                         self.rule.eval_variables(servers[j]), cohort,
+            result = self.services.train("flchain", self.algorithm, broadcast, cohort,
                                          servers[j])
             metrics = jax.device_get(result.metrics)
             sums = metrics if sums is None else tree_map(lambda a, b: a + b, sums, metrics)
             computed += result.computed_examples
             real += self.services.real_examples(mine)
-            download += float(len(mine) * tree_bytes(self.rule.eval_variables(servers[j])))
+            download += float(len(mine) * tree_bytes(broadcast))
             trained += list(mine)
             outputs = jax.device_get(result.outputs)
             updates = [tree_map(lambda x: x[m], outputs) for m in range(len(mine))]
@@ -348,8 +350,7 @@ class FLChain:
             if committed is None:  # no quorum: the channel stalls this round
                 continue
             block, server, timing = committed
-            old = self.rule.eval_variables(servers[j])["params"]
-            moved = _distance(old, self.rule.eval_variables(server)["params"])
+            moved = _distance(broadcast["params"], server.params)
             servers[j], heights[j] = server, block["header"]["height"]
             converged[j] = moved <= self.o["epsilon"]
             sim["sim_round_seconds"] = max(sim["sim_round_seconds"], timing["seconds"])
@@ -357,8 +358,7 @@ class FLChain:
             sim["sim_rejected"] += timing["attempts"] - 1
             sim["sim_blocks"] += 1
         if sums is None:
-            stats = {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
-                     "upload_bytes": 0.0, "download_bytes": 0.0, "clients": 0}
+            stats = self.services.untrained()
         else:
             stats = self.services.statistics(sums, real_examples=real,
                                              computed_examples=computed,
@@ -370,6 +370,17 @@ class FLChain:
         return SimState(server, None, t + 1), stats
 
     # --- consensus -----------------------------------------------------------------------
+
+    def _model(self, server: Any) -> tuple:
+        """(server, its model's bytes, its state root): what a block commits."""
+        return (server, *ledger_lib.encode_with_root(self.rule.eval_variables(server)))
+
+    def _registered(self, j: int) -> Dict[int, str]:
+        """Channel j's devices' public keys (as its genesis registers them)."""
+        if j not in self._keys:
+            self._keys[j] = {int(i): ledger_lib.public_hex(self.device_key(int(i)))
+                             for i in self.devices(j)}
+        return self._keys[j]
 
     def _faulty(self, v: int, t: int) -> bool:
         return v < self.o["faulty"] and t >= self.o["tamper_from"]
@@ -390,16 +401,15 @@ class FLChain:
         honest = {}  # the aggregate an honest validator recomputes, per transaction set
 
         def aggregate(txs):
+            """(new server state, its model's bytes, its state root) from `txs`."""
             key = tuple(tx["digest"] for tx in txs)
             if key not in honest:
-                new = self.rule.step(server, [data[tx["digest"]] for tx in txs],
-                                     [tx["examples"] for tx in txs])
-                honest[key] = (new, ledger_lib.state_root(self.rule.eval_variables(new)))
+                honest[key] = self._model(self.rule.step(
+                    server, [data[tx["digest"]] for tx in txs], [tx["examples"] for tx in txs]))
             return honest[key]
 
-        keys = {int(i): ledger_lib.public_hex(self.device_key(int(i)))
-                for i in self.devices(j)}
-        pooled = {ledger_lib.sha256(ledger_lib.canonical(tx)) for tx in pool}
+        keys = self._registered(j)
+        pooled = {ledger_lib.sha256(ledger_lib.canonical(tx)): tx for tx in pool}
 
         def check(block):
             """Why an honest validator rejects `block` (None: it votes for it)."""
@@ -411,15 +421,14 @@ class FLChain:
                 if why:
                     return why
             held = {ledger_lib.sha256(ledger_lib.canonical(tx)) for tx in block["transactions"]}
-            if held != pooled:
-                missing = [tx["device"] for tx in pool
-                           if ledger_lib.sha256(ledger_lib.canonical(tx)) not in held]
+            if held != set(pooled):
+                missing = [tx["device"] for h, tx in pooled.items() if h not in held]
                 return (f"it omits the pooled transaction of device {missing[0]}" if missing
                         else "it holds a transaction not in the pool")
             txs = block["transactions"]
             if ledger_lib.merkle_root([ledger_lib.canonical(x) for x in txs]) != h["tx_root"]:
                 return "its Merkle root does not match its transactions"
-            if aggregate(txs)[1] != h["state_root"]:
+            if aggregate(txs)[2] != h["state_root"]:
                 return "its state root is not the aggregate of its transactions' updates"
             return None
 
@@ -427,14 +436,13 @@ class FLChain:
         for attempt in range(self.n):
             proposer = (t + j + attempt) % self.n
             bad = self._faulty(proposer, t)
-            txs, new = self._proposal(j, t, pool, data, server, aggregate, bad, proposer)
-            variables = self.rule.eval_variables(new)
-            model = ledger_lib.encode_tree(variables)
+            txs, (new, model, root) = self._proposal(j, t, pool, data, server, aggregate,
+                                                     bad, proposer)
             header = {"channel": j, "height": head["header"]["height"] + 1, "round": t,
                       "prev_hash": head["hash"],
                       "tx_root": ledger_lib.merkle_root([ledger_lib.canonical(x) for x in txs]),
-                      "state_root": ledger_lib.state_root(variables),
-                      "model": ledger_lib.sha256(model), "proposer": proposer,
+                      "state_root": root, "model": ledger_lib.sha256(model),
+                      "proposer": proposer,
                       "rejected": list(rejected)}
             block_bytes = len(ledger_lib.canonical({"header": header, "transactions": txs}))
             timing = round_seconds(self.o, self.n, self.num_channels, pool_bytes, block_bytes,
@@ -459,19 +467,21 @@ class FLChain:
 
     def _proposal(self, j: int, t: int, pool: List[Dict[str, Any]], data: Dict[str, Any],
                   server: Any, aggregate: Any, bad: bool, proposer: int) -> tuple:
-        """(transactions, new server state) the proposer puts in its block."""
+        """(transactions, (new server state, its model's bytes, state root)) the proposer
+        puts in its block."""
         if not bad:
-            return pool, aggregate(pool)[0]
+            return pool, aggregate(pool)
         kind = self.o["tamper"]
         if kind == "scale":
             new = aggregate(pool)[0]
             scale = self.o["tamper_scale"]
-            return pool, new._replace(params=tree_map(lambda w: w * scale, new.params))
+            return pool, self._model(new._replace(params=tree_map(lambda w: w * scale,
+                                                                  new.params)))
         if kind == "drop" and len(pool) > 1:
             txs = pool[1:]
-            return txs, aggregate(txs)[0]
+            return txs, aggregate(txs)
         if kind == "drop":  # one device: dropping it leaves the model unchanged
-            return [], server
+            return [], self._model(server)
         # backdoor: a registered device's model trained on backdoored data, under its name.
         present = {tx["device"] for tx in pool}
         victim = next((int(i) for i in self.devices(j) if int(i) not in present),
@@ -488,16 +498,18 @@ class FLChain:
                                               ledger_lib.canonical(forged))
         txs = sorted([tx for tx in pool if tx["device"] != victim] + [forged],
                      key=lambda tx: tx["device"])
-        return txs, aggregate(txs)[0]
+        return txs, aggregate(txs)
 
     def _backdoored(self, device: int, t: int, server: Any) -> PyTree:
-        from fedjax_pan.algorithms import attacks
-        attack = attacks.Attack("backdoor", self.num_classes, attacks.DEFAULT_SCALE["backdoor"],
-                                self.backdoor_target)
-        alg = attacks.with_attack(self.algorithm, attack,
-                                  np.ones(self.services.num_clients, bool))
+        if self._attacked is None:
+            from fedjax_pan.algorithms import attacks
+            attack = attacks.Attack("backdoor", self.num_classes,
+                                    attacks.DEFAULT_SCALE["backdoor"], self.backdoor_target)
+            self._attacked = attacks.with_attack(self.algorithm, attack,
+                                                 np.ones(self.services.num_clients, bool))
         cohort = self.services.cohort(np.asarray([device]), t, None, stage=1)
-        result = self.services.train("flchain-backdoor", alg, self.rule.eval_variables(server),
+        result = self.services.train("flchain-backdoor", self._attacked,
+                                     self.rule.eval_variables(server),
                                      cohort, server, per_round=1)
         return tree_map(lambda x: x[0], jax.device_get(result.outputs))
 

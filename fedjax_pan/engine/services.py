@@ -25,7 +25,7 @@ from fedjax_pan.engine.execution import (UPLOAD_MIB, Cohort, CohortResult, make_
                                          pop_upload_bytes)
 from fedjax_pan.engine.protocol import FederatedAlgorithm, PyTree
 from fedjax_pan.engine.simulation import (SimState, clients_per_round, sample_clients,
-                                          stream_keys, train_metrics)
+                                          stream_keys, train_metrics, untrained)
 
 __all__ = ["Services", "SimState", "Cohort", "CohortResult"]
 
@@ -95,6 +95,8 @@ class Services:
     def real_examples(self, ids: np.ndarray, work: Optional[LocalWork] = None) -> int:
         """Real (unpadded) examples clients `ids` process under `work` in one round."""
         return real_examples(self.work if work is None else work, self.data.sizes[ids])
+
+    untrained = staticmethod(untrained)  # a round in which no client trained
 
     @staticmethod
     def statistics(sums: Dict[str, Any], **fields: Any) -> Dict[str, Any]:

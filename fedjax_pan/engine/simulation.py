@@ -35,6 +35,11 @@ SAMPLINGS = ("uniform", "poisson")
 _DATA_STREAM, _ALGO_STREAM, _ADAPT_STREAM = 1, 2, 3
 
 
+def untrained() -> Dict[str, Any]:
+    """The statistics of a round in which no client trained (nothing sent either way)."""
+    return {**_UNTRAINED, "download_bytes": 0.0}
+
+
 class SimState(NamedTuple):
     server: PyTree
     client_states: PyTree  # stacked over all K clients, or None
@@ -308,7 +313,7 @@ class Simulation:
         """A round nobody was sampled for (Poisson sampling): the server stays as it was,
         or where its aggregator `closes_empty` (a fixed denominator) its update sees a zero
         sum of outputs and a total weight 0."""
-        empty = {**_UNTRAINED, "download_bytes": 0.0}
+        empty = untrained()
         agg = self.algorithm.aggregator
         if not agg.closes_empty or agg.stacked:
             return state._replace(round=state.round + 1), empty
