@@ -457,16 +457,19 @@ def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: in
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Bad input (exit 2) is a wrong command line or a folder without a ledger; a ledger
+    # that does not verify, or cannot be read, exits 1.
     if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: python -m fedjax_pan.ledger WORKDIR  (verifies the run's ledger)",
+        print(f"error: expected one WORKDIR, got {argv}; usage: python -m fedjax_pan.ledger "
+              f"WORKDIR (verifies the run's ledger)", file=sys.stderr)
+        return 2
+    if not os.path.isdir(os.path.join(argv[0], "ledger")):
+        print(f"error: {argv[0]!r} holds no ledger (not an FLChain run's workdir)",
               file=sys.stderr)
         return 2
     try:
         counts = verify(argv[0], progress=True)
-    except LedgerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except OSError as e:
+    except (LedgerError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"ledger of {argv[0]} verified: {counts['channels']} channel(s), "

@@ -185,7 +185,11 @@ def test_verify_from_the_command_line(honest, tmp_path):
     assert bad.returncode == 1
     assert bad.stderr.count("\n") == 1 and "000002.json" in bad.stderr
     assert "hash does not match" in bad.stderr
-    assert run(str(tmp_path / "none")).returncode == 1
+    for args in ([str(tmp_path / "none")], [], [path, path], ["--help"]):
+        wrong = subprocess.run([sys.executable, "-m", "fedjax_pan.ledger", *args],
+                               capture_output=True, text=True, cwd=ROOT)
+        assert wrong.returncode == 2, args
+        assert wrong.stderr.count("\n") == 1 and wrong.stderr.startswith("error:"), args
 
 
 @pytest.mark.parametrize("tamper,reason", [
