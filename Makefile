@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 WORKDIR ?= runs/fmnist_mlp_pan_compare
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-slow bench clean
+.PHONY: setup run test test-slow bench multiprocess-check clean
 
 setup:
 	@VENV=$(VENV) bash tools/setup.sh
@@ -24,6 +24,15 @@ bench: setup
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 \
 	  || echo "fedjax_pan: torch not installed: the benchmark runs without its PyTorch row" >&2
 	$(PY) -m benchmarks.run --suite cpu --out runs/bench
+
+# One config on 2 local processes of 2 CPU devices each (JAX's multi-process runtime over
+# gloo) and on 1 process: the numbers must agree (`python -m fedjax_pan.launch compare`).
+MP_DIR ?= runs/multiprocess
+MP_CONFIG ?= configs/fmnist_mlp.py:multiprocess
+multiprocess-check: setup
+	JAX_NUM_CPU_DEVICES=2 $(PY) -m fedjax_pan.main --config=$(MP_CONFIG) --workdir=$(MP_DIR)/one_process --overwrite --noprogress
+	$(PY) -m fedjax_pan.launch --processes=2 --devices=2 -- --config=$(MP_CONFIG) --workdir=$(MP_DIR)/two_processes --overwrite --noprogress
+	$(PY) -m fedjax_pan.launch compare $(MP_DIR)/one_process $(MP_DIR)/two_processes --tolerance=1e-5
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -8,13 +8,16 @@ Presets (`--config=configs/fmnist_mlp.py:<preset>`):
   pans_on / pans_off   one run of the above (40 rounds, seed 0)
   paper     the paper's Fig. 9 setting at full length (K=100, R=0.1, E=5, alpha=0.1, H=1000)
   smoke     3 tiny rounds, for tests
+  multiprocess  4 short rounds (K=20, 8 a round, E=3) of FedAvg, SCAFFOLD (client states) and the median rule
+            (stacked outputs) on the sharded executor: the check that 1 and N processes
+            give the same numbers (`make multiprocess-check`)
 """
 
 import ml_collections
 
 from fedjax_pan.defaults import default_config
 
-PRESETS = ("compare", "pans_on", "pans_off", "paper", "smoke")
+PRESETS = ("compare", "pans_on", "pans_off", "paper", "smoke", "multiprocess")
 
 
 def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
@@ -48,6 +51,19 @@ def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
         # Phases taken out of local.epochs = 1, so `--config.algorithm=fedrep` (or ktpfl)
         # runs on this preset as it is.
         c.fedrep.head_epochs = c.ktpfl.distill_epochs = 0.5
+    elif preset == "multiprocess":
+        c.rounds = 4
+        c.partition.num_clients = 20
+        c.partition.alpha = 1.0
+        c.participation = 0.4
+        c.local.epochs = 3.0
+        c.dataset.train_limit = 3000
+        c.eval.batch_size = 2000
+        c.optimizer.warmup = "none"
+        c.checkpoint_every = 2
+        c.execution.strategy = "sharded"
+        c.variants = {"fedavg": {}, "scaffold": {"algorithm": "scaffold"},
+                      "median": {"aggregation": {"rule": "median"}}}
     else:
         raise ValueError(f"unknown preset {preset!r} for configs/fmnist_mlp.py; expected "
                          f"one of {', '.join(PRESETS)}")

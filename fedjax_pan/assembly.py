@@ -211,7 +211,10 @@ def build(cfg: ml_collections.ConfigDict,
         local = {"client_evaluate": make_client_evaluator(model, train_x, ds.train_labels,
                                                           test_parts, cfg.eval.batch_size),
                  "test_indices": test_parts}
-    strategy = resolve_strategy(cfg.execution.strategy, variables)
+    try:
+        strategy = resolve_strategy(cfg.execution.strategy, variables)
+    except ValueError as e:
+        raise ConfigError(f"config.execution.strategy: {e}") from None
     public = train_x[public_rows] if len(public_rows) else None
     public_labels = np.asarray(ds.train_labels)[public_rows] if len(public_rows) else None
     simulation = make_round(cfg, model, variables, client_data, work, public, public_labels,
@@ -263,6 +266,9 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
         why = str(e).strip().splitlines()[0]
         raise ConfigError(f"config.{cfg.algorithm}: {why}") from None
     if simulation is not None:
+        require(jax.process_count() == 1,
+                f"algorithm {cfg.algorithm!r} as configured runs on its own driver, which "
+                f"runs in one process, not {jax.process_count()}")
         if not isinstance(simulation, Round):
             raise TypeError(f"{cfg.algorithm}'s driver {type(simulation).__name__} lacks "
                             f"engine.protocol.Round's members")

@@ -18,7 +18,7 @@ from typing import Any, Dict
 
 import ml_collections
 
-from fedjax_pan import reporting
+from fedjax_pan import distributed, reporting
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.assembly import (Experiment, build, build_counted, load_dataset, make_round,
                                  public_split, validate)
@@ -27,8 +27,8 @@ from fedjax_pan.errors import (ConfigError, Interrupted, TrainingDiverged, Workd
 from fedjax_pan.reporting import (compare_groups, format_table, paired_stats, plot_curves,
                                   seed_groups, summarize)
 from fedjax_pan.resume import RESUMABLE_CHANGES, check_workdir, config_changes, read_metrics
-from fedjax_pan.training import (COUNTERS, Summary, evaluate_clients, train, train_into,
-                                 train_rounds)
+from fedjax_pan.training import (COUNTERS, Summary, claim, evaluate_clients, train,
+                                 train_into, train_rounds)
 
 __all__ = ["ConfigError", "TrainingDiverged", "WorkdirError", "Interrupted", "Experiment",
            "validate", "build", "build_counted", "make_round", "load_dataset", "public_split",
@@ -80,20 +80,30 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
             validate(c)
         except ConfigError as e:
             raise ConfigError(f"variant {name!r}: {e}") from None
-    check_workdir(cfg, workdir, resume=resume, overwrite=overwrite)
+    distributed.check_same_config(cfg.to_json())
+    distributed.on_primary(lambda: check_workdir(cfg, workdir, resume=resume,
+                                                 overwrite=overwrite), "checking the workdir")
     cache: Dict[Any, Any] = {}
     experiments = {name: build_counted(c, cache) for name, c in configs.items()}
     top = os.path.join(workdir, "config.json")
-    with workdir_lib.claim(workdir, overwrite=overwrite, resume=resume):
-        with workdir_lib.writing(top, lambda: "nothing of this run was saved yet"):
-            workdir_lib.write_atomic(top, cfg.to_json(indent=2))
+    primary = distributed.is_primary()
+    with claim(workdir, overwrite=overwrite, resume=resume):
+        if primary:
+            with workdir_lib.writing(top, lambda: "nothing of this run was saved yet"):
+                workdir_lib.write_atomic(top, cfg.to_json(indent=2))
         summaries = {}
         for name, exp in experiments.items():
             sub = os.path.join(workdir, name)
-            again = resume and os.path.isfile(os.path.join(sub, "config.json"))
-            if not again:
-                os.makedirs(sub, exist_ok=True)
+
+            def prepare() -> bool:
+                again = resume and os.path.isfile(os.path.join(sub, "config.json"))
+                if not again:
+                    os.makedirs(sub, exist_ok=True)
+                return again
+            again = distributed.on_primary(prepare, f"preparing {sub}")
             summaries[name] = train_into(exp, sub, resume=again, progress=progress, desc=name)
+        if not primary:
+            return summaries
         curves = {name: read_metrics(os.path.join(workdir, name, "metrics.jsonl"), cfg.rounds)
                   for name in configs}
         groups = seed_groups(configs)

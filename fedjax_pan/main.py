@@ -1,5 +1,9 @@
 """Command line: python -m fedjax_pan.main --config=FILE[:preset] [--config.KEY=VALUE ...] --workdir=DIR
 
+One process of a multi-process run (`fedjax_pan.distributed`) takes --coordinator=HOST:PORT
+--num_processes=N --process_id=I, or --distributed to read them from the cluster (SLURM,
+TPU pods); every process is given the same command otherwise, and process 0 writes DIR.
+
 Runs a config (or each of its variants) into DIR; --config.model.options.KEY=VALUE sets
 any option of the model (a Python literal, e.g. `"{'groups': 10, 'depth': 6}"` for
 `grouped`), whether or not the config file names it. A non-empty DIR is refused unless
@@ -26,7 +30,8 @@ from ml_collections import config_flags
 
 USAGE = ("usage: python -m fedjax_pan.main --config=configs/FILE.py[:preset] "
          "[--config.KEY=VALUE ...] [--config.model.options.KEY=VALUE ...] --workdir=DIR "
-         "[--resume | --overwrite] [--noprogress]")
+         "[--resume | --overwrite] [--noprogress] "
+         "[--coordinator=HOST:PORT --num_processes=N --process_id=I | --distributed]")
 _OVERRIDE = re.compile(r"^--?config\.([^=]+)")
 _MODEL_OPTION = re.compile(r"^--?config\.model\.options\.([A-Za-z_][\w.]*)(?:=(.*))?$", re.S)
 
@@ -45,6 +50,14 @@ def _flags(argv: List[str]) -> flags.FlagValues:
     flags.DEFINE_string("compilation_cache", "~/.cache/fedjax_pan/xla",
                         "persistent XLA compilation cache ('' = off; $JAX_COMPILATION_CACHE_DIR "
                         "wins)", flag_values=fv)
+    flags.DEFINE_string("coordinator", None, "host:port of process 0 in a multi-process run",
+                        flag_values=fv)
+    flags.DEFINE_integer("num_processes", None, "processes in a multi-process run",
+                         flag_values=fv)
+    flags.DEFINE_integer("process_id", None, "this process's index in [0, num_processes)",
+                         flag_values=fv)
+    flags.DEFINE_bool("distributed", False, "join a multi-process run whose settings JAX "
+                      "reads from the cluster (SLURM, TPU pods, Open MPI)", flag_values=fv)
     return fv
 
 
@@ -164,9 +177,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if cfg is None or not fv.workdir:
         return _error(f"--config and --workdir are required; {USAGE}")
 
+    from fedjax_pan import distributed
+    from fedjax_pan.errors import RunError
+    try:  # before anything touches a JAX backend
+        distributed.initialize(fv.coordinator, fv.num_processes, fv.process_id,
+                               auto=fv.distributed)
+    except RunError as e:
+        return _error(e, status=e.status)
     from fedjax_pan import experiment, workdir  # heavy imports only once the flags are valid
     from fedjax_pan.engine.compiles import use_compilation_cache
-    from fedjax_pan.errors import RunError
 
     try:
         use_compilation_cache(fv.compilation_cache)
@@ -184,9 +203,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                       status=128 + workdir.signal_number(e))
     except Exception as e:  # noqa: BLE001 - one line for the user; the traceback to a file
         return _unexpected(e)
-    print(experiment.format_table(summaries,
-                                  experiment.seed_groups(experiment.variant_configs(cfg))))
-    print(f"results in {fv.workdir}")
+    if distributed.is_primary():
+        print(experiment.format_table(summaries,
+                                      experiment.seed_groups(experiment.variant_configs(cfg))))
+        print(f"results in {fv.workdir}")
     return 0
 
 

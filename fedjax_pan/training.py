@@ -3,6 +3,7 @@ with every way it can end early reported in one line (`fedjax_pan.errors`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -12,7 +13,7 @@ from typing import Any, Dict, List, Optional
 import jax
 import ml_collections
 
-from fedjax_pan import algorithms, reporting
+from fedjax_pan import algorithms, distributed, reporting
 from fedjax_pan import data as data_lib
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.assembly import Experiment, build_counted, validate
@@ -47,13 +48,23 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
 
     The config, the workdir request and the data are all checked before anything is
     written; see `workdir.claim` for how `overwrite` keeps the old results until this
-    run succeeds.
+    run succeeds. In a multi-process run (`fedjax_pan.distributed`) every process trains
+    and process 0 alone reads and writes the workdir.
     """
     validate(cfg)
-    check_workdir(cfg, workdir, resume=resume, overwrite=overwrite)
+    distributed.check_same_config(cfg.to_json())
+    distributed.on_primary(lambda: check_workdir(cfg, workdir, resume=resume,
+                                                 overwrite=overwrite), "checking the workdir")
     exp = build_counted(cfg)
-    with workdir_lib.claim(workdir, overwrite=overwrite, resume=resume):
+    with claim(workdir, overwrite=overwrite, resume=resume):
         return train_into(exp, workdir, resume=resume, progress=progress, desc=desc)
+
+
+def claim(workdir: str, *, overwrite: bool, resume: bool):
+    """`workdir.claim` in the process that writes the workdir; nothing in the others."""
+    if not distributed.is_primary():
+        return contextlib.nullcontext()
+    return workdir_lib.claim(workdir, overwrite=overwrite, resume=resume)
 
 
 def _divergence(loss: float, cfg: ml_collections.ConfigDict) -> Optional[str]:
@@ -161,10 +172,12 @@ class _Run:
 def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                desc: str) -> Summary:
     """The rounds of `exp` into `workdir` (already claimed), resumed from its last
-    checkpoint where `resume`; its summary, written to summary.json."""
+    checkpoint where `resume`; its summary, written to summary.json. Only process 0 of a
+    multi-process run touches the workdir; the others receive a resumed state from it."""
     from tqdm.auto import tqdm
 
     cfg = exp.config
+    primary = distributed.is_primary()
     ckpt: Optional[workdir_lib.Checkpoints] = None
     last_saved = 0
 
@@ -180,34 +193,47 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
         if attach is not None:
             attach(workdir, resume)
         state = exp.simulation.init(exp.variables)
-        with workdir_lib.writing(f"checkpoints in {workdir}", safe):
-            ckpt = workdir_lib.Checkpoints(workdir)
-        counters: Dict[str, Any] = {}
         metrics_path = os.path.join(workdir, "metrics.jsonl")
-        rows: Optional[List[Dict[str, Any]]] = None
-        if resume and ckpt.latest() is not None:
-            # The checkpoint's own record of the rows: metrics.jsonl may end in a line a
-            # crash cut.
-            tree, counters, rows = ckpt.restore(
-                ckpt.latest(), state.saved(), saved_shapes=exp.simulation.shapes_change)
-            state = SimState.restored(tree, ckpt.latest())
+        restored = {"tree": None}
+
+        def open_workdir() -> Dict[str, Any]:
+            """(process 0) The checkpoints, and what a resumed run starts from."""
+            nonlocal ckpt
+            with workdir_lib.writing(f"checkpoints in {workdir}", safe):
+                ckpt = workdir_lib.Checkpoints(workdir)
+            start = {"round": 0, "counters": {}, "rows": None}
+            if resume and ckpt.latest() is not None:
+                # The checkpoint's own record of the rows: metrics.jsonl may end in a line
+                # a crash cut.
+                restored["tree"], start["counters"], start["rows"] = ckpt.restore(
+                    ckpt.latest(), state.saved(), saved_shapes=exp.simulation.shapes_change)
+                start["round"] = ckpt.latest()
+            if start["rows"] is None:
+                start["rows"] = read_metrics(metrics_path, start["round"])
+            with workdir_lib.writing(f"{workdir}/config.json", safe):
+                workdir_lib.write_atomic(os.path.join(workdir, "config.json"),
+                                         cfg.to_json(indent=2))
+                # drops rows past the restored checkpoint
+                workdir_lib.write_atomic(metrics_path, "".join(json.dumps(r) + "\n"
+                                                               for r in start["rows"]))
+            return start
+        start = distributed.on_primary(open_workdir, "reading the workdir")
+        if start["round"]:
+            tree = distributed.broadcast_tree(restored["tree"] if primary else state.saved())
+            state = SimState.restored(tree, start["round"])
             last_saved = state.round
+        counters, rows = start["counters"], start["rows"]
         run = _Run(counters, exp.setup_compiles)
-        if rows is None:
-            rows = read_metrics(metrics_path, state.round)
-        with workdir_lib.writing(f"{workdir}/config.json", safe):
-            workdir_lib.write_atomic(os.path.join(workdir, "config.json"), cfg.to_json(indent=2))
-            # drops rows past the restored checkpoint
-            workdir_lib.write_atomic(metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
 
         saved_totals = run.totals()
 
         def save(s: SimState) -> None:
             nonlocal last_saved, saved_totals
             totals = run.totals()
-            with workdir_lib.writing(f"the checkpoint of round {s.round}", safe):
-                ckpt.save(s.round, s.saved(), totals,
-                          [r for r in rows if r["round"] <= s.round])
+            if primary:
+                with workdir_lib.writing(f"the checkpoint of round {s.round}", safe):
+                    ckpt.save(s.round, s.saved(), totals,
+                              [r for r in rows if r["round"] <= s.round])
             last_saved, saved_totals = s.round, totals
 
         # Client k's expected accuracy on a test set with its own label mix (eval.local).
@@ -215,7 +241,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                                               exp.dataset.num_classes)
         label_mix = counts / counts.sum(axis=1, keepdims=True)
         bar = tqdm(total=cfg.rounds, initial=state.round, desc=desc or "rounds",
-                   disable=not progress, unit="round", dynamic_ncols=True)
+                   disable=not (progress and primary), unit="round", dynamic_ncols=True)
         try:
             while state.round < cfg.rounds:
                 t0 = time.time()
@@ -229,7 +255,8 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                         if state.round > last_saved and _alive(state):
                             save(state)
                         kept = (f"the last good checkpoint (round {last_saved}) is kept in "
-                                f"{ckpt.directory}" if last_saved else
+                                f"{os.path.abspath(os.path.join(workdir, workdir_lib.CHECKPOINTS))}"
+                                if last_saved else
                                 "no round completed, so nothing was kept")
                         raise TrainingDiverged(f"training diverged in round {r}: {why}; {kept}; "
                                                f"{_divergence_advice(cfg)}")
@@ -276,6 +303,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                         run.first_round_compiles = run.compiles
                     if row is not None:
                         rows.append(row)
+                    if row is not None and primary:
                         with workdir_lib.writing(metrics_path, safe):
                             with open(metrics_path, "a") as f:
                                 f.write(json.dumps(row) + "\n")
@@ -297,7 +325,8 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                                           f"{done}") from None
         finally:
             bar.close()
-            ckpt.close()
+            if ckpt is not None:
+                ckpt.close()
 
     totals = saved_totals  # the final round is always saved: its record is the run's
     summary = {**reporting.summarize(rows), "rounds": state.round,
@@ -307,9 +336,12 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                                       if totals["computed_examples"] else None),
                "compiles": totals["compiles"],
                "compiles_after_first_round": totals["compiles_after_first_round"],
-               "processes": totals["processes"]}
+               "processes": totals["processes"],
+               "distributed_processes": distributed.process_count()}
     # summary.json marks a finished run (scripts read it back on --resume), so it comes
     # after the curve, and a signal waits until both are written.
+    if not primary:
+        return Summary(summary, exp, state)
     with workdir_lib.deferred_interrupts(), \
             workdir_lib.writing(f"the summary of {workdir}", safe):
         reporting.plot_curves({desc or "run": rows}, os.path.join(workdir, "curve.png"),

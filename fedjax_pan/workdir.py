@@ -341,9 +341,17 @@ class Checkpoints:
         import orbax.checkpoint as ocp  # slow import, needed only when running
         self.ocp = ocp
         self.directory = os.path.abspath(os.path.join(workdir, CHECKPOINTS))
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                               enable_async_checkpointing=False,
-                                               cleanup_tmp_directories=True)
+        alone = {}
+        if jax.process_count() > 1:
+            # This process alone reads and writes them (process 0 of a multi-process run:
+            # the others never wait on its files).
+            os.makedirs(self.directory, exist_ok=True)
+            me = jax.process_index()
+            alone = {"create": False, "multiprocessing_options":
+                     ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})}
+        options = ocp.CheckpointManagerOptions(
+            **{"max_to_keep": max_to_keep, "create": True, "enable_async_checkpointing": False,
+               "cleanup_tmp_directories": True, **alone})
         # orbax logs each failed write with a traceback before raising it once; callers
         # report that one error in one line (here and in save / restore).
         with quiet_absl():

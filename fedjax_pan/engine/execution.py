@@ -12,8 +12,11 @@ Strategies (all give the same numbers up to float32 summation order):
            (`default_workers`; the FedJAX workload of `benchmarks/throughput.py`: 9,646
            examples/s against 8,996 one at a time, 2 cores), their sums added in cohort
            order;
-  sharded  the vmap path with the client axis sharded over jax.devices();
-  auto     vmap on accelerators (sharded when there are several devices); on CPU, loop for
+  sharded  the vmap path with the client axis sharded over jax.devices(): over every
+           process's devices in a multi-process run (`fedjax_pan.distributed`), each
+           block's sums, new client states and stacked outputs gathered to every process;
+  auto     vmap on accelerators (sharded when there are several devices); sharded in a
+           multi-process run, which the other strategies refuse; on CPU, loop for
            models with convolutions and vmap for dense ones. Grouped (Fed2) models follow
            the same rule (measured, 2 cores, `benchmarks.run --only grouped_conv`: a
            grouped VGG9 round takes 0.16 s with loop, 2.1 s with vmap; a grouped MLP
@@ -349,6 +352,9 @@ class VmapExecutor:
                                  f"{ndev} devices for the sharded strategy")
             self._split = NamedSharding(self.mesh, PartitionSpec("clients"))
             self._repl = NamedSharding(self.mesh, PartitionSpec())
+        # Several processes: a block's results are gathered to all of them (the rest of
+        # the engine works on process-local arrays, the same in every process).
+        self._gathered = self.mesh is not None and self.mesh.is_multi_process
         arrays = (self.data.images, self.data.labels, self.data.index_table)
         self._arrays = self._replicate(arrays)
         over_clients = functools.partial(_over_clients, single=self.single)
@@ -388,7 +394,7 @@ class VmapExecutor:
             outs, states, acc = over_clients(p.finish, (None, 0, 0))(
                 server, self._constrain(carry), weights)
             outs = outs if out_sum is None else _add(out_sum, _sum0(outs))
-            return outs, _add(metrics, _sum0(acc)), states
+            return self._gather((outs, _add(metrics, _sum0(acc)), states))
 
         # Lone clients run their tails on fewer rows: every tail shape the data holds.
         rows = tail_rows(self.data.sizes, p.batch_size) if self.single else []
@@ -406,11 +412,33 @@ class VmapExecutor:
             return carry
         return tree_map(lambda x: jax.lax.with_sharding_constraint(x, self._split), carry)
 
+    def _gather(self, tree):
+        # Replicated over all processes' devices (an all-gather of the client axis).
+        if not self._gathered:
+            return tree
+        return tree_map(lambda x: jax.lax.with_sharding_constraint(x, self._repl), tree)
+
+    def _local(self, tree):
+        """Replicated global arrays as this process's own copies."""
+        if not self._gathered or tree is None:
+            return tree
+        return tree_map(lambda x: x.addressable_data(0), tree)
+
+    def _put(self, tree, sharding):
+        if self.mesh is None:
+            return tree
+        if self._gathered:
+            # Arrays of this process go to the global mesh from the host (there is no
+            # device-to-device transfer across processes); each process holds the same.
+            tree = tree_map(lambda x: x if isinstance(x, jax.Array) and x.sharding == sharding
+                            else np.asarray(x), tree)
+        return jax.device_put(tree, sharding)
+
     def _replicate(self, tree):
-        return tree if self.mesh is None else jax.device_put(tree, self._repl)
+        return self._put(tree, self._repl)
 
     def _split_put(self, tree):
-        return tree if self.mesh is None else jax.device_put(tree, self._split)
+        return self._put(tree, self._split)
 
     def blocks(self, steps: np.ndarray) -> list:
         """Cohort slots per block (padded with -1), longest-running clients first."""
@@ -490,17 +518,19 @@ class VmapExecutor:
                     if not p.stacked:
                         out_sum = result if out_sum is None else self._add(out_sum, result)
                 if p.stacked:
+                    result = self._local(result)
                     for j, slot in enumerate(g):
                         if slot >= 0:
                             slot_outputs[slot] = _take(result, j)
                 if new_states is not None:
+                    new_states = self._local(new_states)
                     for j, slot in enumerate(g):
                         if slot >= 0:
                             slot_states[slot] = _take(new_states, j)
         finally:
             if pool is not None:
                 pool.shutdown(cancel_futures=True)
-        return CohortResult(out_sum, _stack(slot_states), metrics,
+        return CohortResult(self._local(out_sum), _stack(slot_states), self._local(metrics),
                             self.computed_examples(self.data.sizes[cohort.ids], cohort.steps),
                             _stack(slot_outputs) if p.stacked else None)
 
@@ -526,6 +556,11 @@ def resolve_strategy(strategy: str, variables: PyTree) -> str:
     """The concrete strategy `auto` stands for on this backend and model."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown execution strategy {strategy!r}; expected one of {STRATEGIES}")
+    if jax.process_count() > 1:
+        if strategy not in ("auto", "sharded"):
+            raise ValueError(f"strategy {strategy!r} runs every client in every one of the "
+                             f"{jax.process_count()} processes; use 'sharded' or 'auto'")
+        return "sharded"
     if strategy != "auto":
         return strategy
     if jax.default_backend() == "cpu":

@@ -501,9 +501,10 @@ def train_metrics(sums: Dict[str, Any]) -> Dict[str, float]:
 
 
 def _too_big_for_device(nbytes: int) -> bool:
-    """True when `nbytes` exceeds half the first device's memory (when it reports one)."""
+    """True when `nbytes` exceeds half this process's first device's memory (when it
+    reports one)."""
     try:
-        stats = jax.devices()[0].memory_stats() or {}
+        stats = jax.local_devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001 - backends without memory statistics
         stats = {}
     limit = stats.get("bytes_limit")
