@@ -126,6 +126,19 @@ class Settings:
     # Scaling: MLP bench at several clients per round.
     scaling_per_round: Tuple[int, ...] = (10, 20, 50, 100)
     scaling_reps: int = 2
+    # Population: stateless FedAvg over K clients of `population_examples` examples each,
+    # drawn from one shared pool (the data is held once, whatever K), at each
+    # clients-per-round; one local step per client (B = its size, E = 1).
+    population_sizes: Tuple[int, ...] = (1000, 10000, 100000)
+    population_per_round: Tuple[int, ...] = (10, 100, 1000)
+    population_examples: int = 20
+    population_pool: int = 60000
+    # MOON with a previous model per client (the MLP bench network) over this many
+    # clients on Fashion-MNIST, its states placed by size ('auto': disk past half of
+    # memory); 0 rounds: not run. Run in a process of its own, for its peak memory.
+    moon_clients: int = 3000
+    moon_per_round: int = 60
+    moon_rounds: int = 70
     # Grouped convs: layers, a grouped VGG9's local step per implementation, strategies.
     grouped_layers: Tuple[GroupedLayer, ...] = (
         GroupedLayer(64, 8, 260, 10), GroupedLayer(64, 4, 260, 10),
@@ -161,6 +174,8 @@ def make_settings(suite: str = "cpu", quick: bool = False,
             padding_dataset="synthetic", padding_clients=10, padding_per_round=5,
             padding_epochs=1, padding_block_sizes=(2,), padding_reps=1, padding_cohorts=20,
             conv=conv, slow_round_s=5.0, scaling_per_round=(2, 5, 10), scaling_reps=1,
+            population_sizes=(100, 1000), population_per_round=(2, 10),
+            population_pool=2000, moon_rounds=0,
             grouped_layers=(GroupedLayer(8, 4, 24, 4),), grouped_reps=r,
             grouped_budget_s=0.5, grouped_step=(0.125, (8, 8, 1), 8), grouped_groups=2,
             driver_hidden=(16, 16, 16), throughput=throughput.quick_settings(),

@@ -201,6 +201,10 @@ def _blocks(results: Results) -> List[tuple]:
         blocks.append(("Scaling (MLP bench)", [
             f"strategy {r['strategy']} (auto); compiles after warm-up: "
             f"{r['compiles_after_warmup']}"], header, rows))
+        if r.get("population"):
+            blocks.append(_population_block(r["population"]))
+        if r.get("moon"):
+            blocks.append(_moon_block(r["moon"]))
     if "profile" in results:
         blocks.append(_profile_block(results))
     if "algorithms" in results:
@@ -214,6 +218,36 @@ def _blocks(results: Results) -> List[tuple]:
     if "throughput" in results:
         blocks += _throughput_blocks(results["throughput"])
     return blocks
+
+
+def _population_block(r: Dict[str, Any]) -> tuple:
+    header = ["K clients", "clients/round", "s/round", "examples/s", "client data MiB",
+              "peak RSS MiB", "device peak MiB", "compiles timed"]
+    rows = [[f"{p['num_clients']:,}", str(p["clients_per_round"]),
+             f"{p['seconds_per_round']:.3f}", f"{p['examples_per_second']:.0f}",
+             f"{p['client_data_mib']:.2f}", f"{p['peak_rss_mib']:.0f}",
+             "-" if p["device_peak_mib"] is None else f"{p['device_peak_mib']:.0f}",
+             str(p["compiles_timed"])] for p in r["points"]]
+    return ("Population (stateless FedAvg, MLP bench network)", [
+        f"clients of {r['examples_per_client']} examples each from one pool of "
+        f"{r['pool']:,} (one local step each), strategy {r['strategy']} (auto); K in "
+        "increasing order, so each peak bounds all points above it: memory that grew "
+        "with K would show here"], header, rows)
+
+
+def _moon_block(r: Dict[str, Any]) -> tuple:
+    header = ["K clients", "clients/round", "rounds", "state MiB/client", "all states GiB",
+              "host memory GiB", "on disk GiB", "peak RSS GiB", "wall s", "test accuracy"]
+    rows = [[f"{r['num_clients']:,}", str(r["clients_per_round"]), str(r["rounds"]),
+             f"{r['state_mib_per_client']:.1f}", f"{r['all_states_gib']:.1f}",
+             f"{r['host_memory_gib']:.1f}", f"{r['disk_gib']:.1f}",
+             f"{r['peak_rss_gib']:.2f}", f"{r['wall_seconds']:.0f}",
+             f"{100 * r['test_accuracy']:.2f}%"]]
+    return ("MOON over many clients (client states on disk)", [
+        "Fashion-MNIST, Dirichlet alpha=0.1, the MLP bench network, one previous model per "
+        "client; states placed by size (execution.client_states=auto); clients that never "
+        "trained share the initial state; peak RSS of the run's own process"],
+        header, rows)
 
 
 def _throughput_blocks(r: Dict[str, Any]) -> List[tuple]:

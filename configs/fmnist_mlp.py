@@ -8,9 +8,10 @@ Presets (`--config=configs/fmnist_mlp.py:<preset>`):
   pans_on / pans_off   one run of the above (40 rounds, seed 0)
   paper     the paper's Fig. 9 setting at full length (K=100, R=0.1, E=5, alpha=0.1, H=1000)
   smoke     3 tiny rounds, for tests
-  multiprocess  4 short rounds (K=20, 8 a round, E=3) of FedAvg, SCAFFOLD (client states) and the median rule
-            (stacked outputs) on the sharded executor: the check that 1 and N processes
-            give the same numbers (`make multiprocess-check`)
+  multiprocess  4 short rounds (K=20, 8 a round, E=3) of FedAvg, SCAFFOLD (client
+            states, kept on disk) and the median rule (stacked outputs) on the sharded
+            executor: the check that 1 and N processes give the same numbers
+            (`make multiprocess-check`)
 """
 
 import ml_collections
@@ -62,7 +63,9 @@ def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
         c.optimizer.warmup = "none"
         c.checkpoint_every = 2
         c.execution.strategy = "sharded"
-        c.variants = {"fedavg": {}, "scaffold": {"algorithm": "scaffold"},
+        c.variants = {"fedavg": {},
+                      "scaffold": {"algorithm": "scaffold",
+                                   "execution": {"client_states": "disk"}},
                       "median": {"aggregation": {"rule": "median"}}}
     else:
         raise ValueError(f"unknown preset {preset!r} for configs/fmnist_mlp.py; expected "

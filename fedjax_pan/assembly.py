@@ -324,7 +324,7 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
     stragglers = Stragglers(st.max_delay, st.policy, st.delays, st.slow_share, st.wait_share)
     return Simulation(algorithm, client_data, work, executor, cfg.participation,
                       cfg.aggregation.weights, cfg.seed, stragglers=stragglers,
-                      sampling=cfg.sampling)
+                      sampling=cfg.sampling, states_in=cfg.execution.client_states)
 
 
 # The settings that transform what clients send, each with its value when off.

@@ -96,8 +96,11 @@ def default_config() -> ml_collections.ConfigDict:
         "quantile": 0.5, "clip_lr": 0.2, "count_std": placeholder(float)})
     # 'uniform': round(R K) clients a round; 'poisson': each client with probability R.
     c.sampling = "uniform"
+    # client_states: where the K clients' persistent states live, 'auto' (by size:
+    # device, host, then disk) or one of 'device', 'host', 'disk' (engine/store.py).
     c.execution = ml_collections.ConfigDict({"strategy": "auto",
-                                             "block_size": placeholder(int)})
+                                             "block_size": placeholder(int),
+                                             "client_states": "auto"})
     # local: also log each client's expected accuracy on a test set with its label mix.
     c.eval = ml_collections.ConfigDict({"every": 1, "batch_size": 1000, "local": False})
     # Alg. 2: shuffle hidden neurons during local training, N_sf times per round expected.

@@ -24,6 +24,7 @@ from fedjax_pan.data.partition import SCHEMES
 from fedjax_pan.data.sources import DATASETS, GROUPED_DATASETS, NORMALIZATIONS
 from fedjax_pan.engine.clients import AUGMENTS, STEP_MODES
 from fedjax_pan.engine.execution import STRATEGIES
+from fedjax_pan.engine.store import PLACES
 from fedjax_pan.engine.robust import krum_kept
 from fedjax_pan.engine.simulation import AGGREGATIONS, SAMPLINGS, clients_per_round
 from fedjax_pan.engine.staleness import FEDASYNC_KINDS
@@ -138,6 +139,7 @@ RULES: Dict[str, Rule] = {
     "sampling": one_of(SAMPLINGS),
     "execution.strategy": one_of(STRATEGIES),
     "execution.block_size": between(1, 1e5, integer=True, optional=True),
+    "execution.client_states": one_of(PLACES),
     "eval.every": between(1, 1e6, integer=True),
     "eval.batch_size": between(1, 1e6, integer=True),
     "eval.local": Rule(boolean),

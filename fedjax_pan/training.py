@@ -234,6 +234,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                 with workdir_lib.writing(f"the checkpoint of round {s.round}", safe):
                     ckpt.save(s.round, s.saved(), totals,
                               [r for r in rows if r["round"] <= s.round])
+                s.checkpointed()
             last_saved, saved_totals = s.round, totals
 
         # Client k's expected accuracy on a test set with its own label mix (eval.local).

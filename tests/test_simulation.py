@@ -71,27 +71,33 @@ def test_client_updates_average_to_the_round_update():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-def test_client_states_on_the_host_give_the_same_numbers():
+def test_client_states_on_the_host_and_on_disk_give_the_same_numbers():
     from fedjax_pan.algorithms.scaffold import scaffold
     from fedjax_pan.algorithms import client_optimizer
+    from fedjax_pan.engine.store import DiskStates
     model, variables, _ = tiny_fedavg()
     algo = scaffold(model, client_optimizer(0.05, 0.9), 0.05, momentum=0.9)
     _, cd = tiny_clients([27, 39, 19, 36, 62, 13])
     work = LocalWork(batch_size=8, epochs=1.0)
     finals = {}
-    for on_host in (False, True):
+    for place in ("device", "host", "disk"):
         ex = make_executor("loop", algo, work, cd, variables, 3)
-        sim = Simulation(algo, cd, work, ex, participation=0.5, seed=2, states_on_host=on_host)
+        sim = Simulation(algo, cd, work, ex, participation=0.5, seed=2, states_in=place)
         state = sim.init(variables)
-        kind = type(jax.tree_util.tree_leaves(state.client_states)[0])
-        assert (kind is np.ndarray) == on_host
+        kind = {"device": jax.Array, "host": np.ndarray, "disk": DiskStates}[place]
+        assert isinstance(state.client_states if place == "disk" else
+                          jax.tree_util.tree_leaves(state.client_states)[0], kind)
         for _ in range(3):
             state, _ = sim.round(state)
-        finals[on_host] = state
-    for a, b in zip(jax.tree_util.tree_leaves(finals[False]),
-                    jax.tree_util.tree_leaves(finals[True])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        finals[place] = state
+        if place == "disk":
+            finals[place] = state._replace(client_states=state.client_states.gather(
+                np.arange(cd.num_clients)))
+    for place in ("host", "disk"):
+        for a, b in zip(jax.tree_util.tree_leaves(finals["device"]),
+                        jax.tree_util.tree_leaves(finals[place])):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Some clients' control variates moved, others (never sampled) stayed zero.
-    c = np.asarray(jax.tree_util.tree_leaves(finals[True].client_states)[0])
+    c = np.asarray(jax.tree_util.tree_leaves(finals["host"].client_states)[0])
     moved = np.abs(c.reshape(len(c), -1)).max(axis=1) > 0
     assert moved.any()

@@ -419,14 +419,16 @@ class VmapExecutor:
         return tree_map(lambda x: jax.lax.with_sharding_constraint(x, self._repl), tree)
 
     def _local(self, tree):
-        """Replicated global arrays as this process's own copies."""
-        if not self._gathered or tree is None:
+        """A block's results on this process's first device: slicing them there needs no
+        collective (several multi-device programs in flight at once can leave XLA:CPU's
+        collectives waiting on a device that never runs its part)."""
+        if self.mesh is None or tree is None:
             return tree
-        return tree_map(lambda x: x.addressable_data(0), tree)
+        if self._gathered:  # replicated over all processes: this process's copy
+            return tree_map(lambda x: x.addressable_data(0), tree)
+        return jax.device_put(tree, jax.local_devices()[0])
 
     def _put(self, tree, sharding):
-        if self.mesh is None:
-            return tree
         if self._gathered:
             # Arrays of this process go to the global mesh from the host (there is no
             # device-to-device transfer across processes); each process holds the same.
@@ -435,10 +437,10 @@ class VmapExecutor:
         return jax.device_put(tree, sharding)
 
     def _replicate(self, tree):
-        return self._put(tree, self._repl)
+        return tree if self.mesh is None else self._put(tree, self._repl)
 
     def _split_put(self, tree):
-        return self._put(tree, self._split)
+        return tree if self.mesh is None else self._put(tree, self._split)
 
     def blocks(self, steps: np.ndarray) -> list:
         """Cohort slots per block (padded with -1), longest-running clients first."""
@@ -511,6 +513,9 @@ class VmapExecutor:
                 if done is None:
                     result, metrics, new_states = self._run_block(*next(calls), out_sum,
                                                                   metrics)
+                    if self.mesh is not None and jax.default_backend() == "cpu":
+                        # One multi-device program at a time on CPU (see `_local`).
+                        jax.block_until_ready((result, metrics, new_states))
                     out_sum = None if p.stacked else result
                 else:
                     result, acc, new_states = next(done)

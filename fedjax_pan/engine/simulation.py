@@ -5,20 +5,21 @@ replacement, or each client independently with probability R (Poisson), seeded b
 (seed, round) so a resumed run samples identically), hands them to
 an executor, averages the client outputs uniformly (the PAN paper) or by example count
 (FedAvg's n_k / n), and applies the algorithm's server update. Per-client persistent
-state (for algorithms that keep one) is stored for all K clients and gathered/scattered
-for the sampled ones.
+state (for algorithms that keep one) is stored for all K clients, on the device, the host
+or disk (`engine/store.py`), and gathered/scattered for the sampled ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Dict, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pan.engine import timing
+from fedjax_pan.engine import store, timing
 from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, RoundInfo,
                                         placeholder_context, stacked_aggregate,
                                         stacked_entries, tree_bytes)
@@ -32,6 +33,7 @@ AGGREGATIONS = ("uniform", "num_examples")
 _UNTRAINED = {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
               "upload_bytes": 0.0, "clients": 0}
 SAMPLINGS = ("uniform", "poisson")
+_PERSONAL_CHUNK = 256  # clients whose own models are evaluated at once (states on disk)
 _DATA_STREAM, _ALGO_STREAM, _ADAPT_STREAM = 1, 2, 3
 
 
@@ -47,13 +49,24 @@ class SimState(NamedTuple):
     timing: Optional[timing.TimeState] = None  # simulated time, outputs in flight
 
     def saved(self) -> tuple:
-        """What a checkpoint holds (`restored` puts it back)."""
+        """What a checkpoint holds (`restored` puts it back); states on disk are flushed
+        first (the checkpoint names their slots)."""
+        if isinstance(self.client_states, store.DiskStates):
+            self.client_states.files.flush()
         base = (self.server, self.client_states)
         return base if self.timing is None else base + (self.timing,)
 
+    def checkpointed(self) -> None:
+        """A checkpoint of this state was written: states on disk keep its slots."""
+        if isinstance(self.client_states, store.DiskStates):
+            self.client_states.files.protect(self.client_states.slots)
+
     @staticmethod
     def restored(tree: tuple, round_index: int) -> "SimState":
-        return SimState(tree[0], tree[1], round_index, *tree[2:])
+        state = SimState(tree[0], tree[1], round_index, *tree[2:])
+        if isinstance(state.client_states, store.DiskStates):
+            state.client_states.resumed()
+        return state
 
 
 def stream_keys(seed: int) -> Tuple[jax.Array, jax.Array]:
@@ -94,10 +107,9 @@ class Simulation:
     participation: float = 0.1
     aggregation: str = "uniform"
     seed: int = 0
-    # Where the K clients' persistent states live: None decides by size (the device when
-    # they take at most half its memory, else the host), True/False force it. The numbers
-    # are the same either way; the host costs a transfer of the cohort's states per round.
-    states_on_host: Optional[bool] = None
+    # Where the K clients' persistent states live (`store.PLACES`): 'auto' decides by
+    # size (`store.place`). The numbers are the same in every place.
+    states_in: str = "auto"
     # Clients that answer late and the server's policy (engine/timing.py); None: none.
     stragglers: Optional[timing.Stragglers] = None
     # 'uniform': round(R K) clients a round without replacement; 'poisson': each client
@@ -115,6 +127,10 @@ class Simulation:
         if self.sampling == "poisson" and (self.stragglers is not None
                                            and self.stragglers.max_delay > 0):
             raise ValueError("Poisson sampling and stragglers are not available together")
+        if self.states_in not in store.PLACES:
+            raise ValueError(f"unknown place for client states {self.states_in!r}; "
+                             f"expected one of {store.PLACES}")
+        self._states_dir: Optional[str] = None  # disk states: a temporary folder
         self.num_sampled = clients_per_round(self.participation, self.data.num_clients)
         self.steps = self.work.num_steps(self.data.sizes)
         self._data_key, self._algo_key = stream_keys(self.seed)
@@ -134,6 +150,14 @@ class Simulation:
                 self.algorithm, server, outputs))
             self._stacked_update = jax.jit(self._stacked_update_fn)
 
+    def attach(self, workdir: str, resume: bool) -> None:
+        """Client states kept on disk go in `workdir` (where process 0 of a run writes;
+        the other processes keep theirs in a temporary folder)."""
+        del resume  # a resumed run's checkpoint names the slots it continues from
+        from fedjax_pan import distributed
+        self._states_dir = (os.path.join(workdir, store.FOLDER) if distributed.is_primary()
+                            else None)
+
     def init(self, variables: PyTree) -> SimState:
         server = self.algorithm.server_init(variables)
         state = self._init_states(server)
@@ -146,10 +170,11 @@ class Simulation:
         if one is None:
             return SimState(server, None, 0)
         k = self.data.num_clients
-        if self.states_on_host is None:
-            self.states_on_host = _too_big_for_device(
-                k * sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(one)))
-        if self.states_on_host:
+        self.states_place = store.place(self.states_in, k * sum(
+            np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(one)))
+        if self.states_place == "disk":
+            states = store.DiskStates.create(one, k, self._states_dir)
+        elif self.states_place == "host":
             states = jax.tree_util.tree_map(
                 lambda x: np.repeat(np.asarray(x)[None], k, axis=0), one)
         else:
@@ -171,32 +196,52 @@ class Simulation:
         """(network to evaluate, or None for the experiment's model; its variables)."""
         return None, self.algorithm.eval_variables(server)
 
-    def personal_groups(self, state: SimState) -> None:
-        """One network for every client: nothing to group (`protocol.Round`)."""
-        del state
-        return None
+    def personal_groups(self, state: SimState):
+        """One network for every client: nothing to group (`protocol.Round`), except for
+        client states on disk: then every client's own model, `_PERSONAL_CHUNK` clients
+        at a time (all K at once need not fit in memory), as (None: the experiment's
+        network, ids, their stacked models)."""
+        states = state.client_states
+        if not isinstance(states, store.DiskStates) or not self._personal_models():
+            return None
+        return ((None, ids, self._personal(state, jax.tree_util.tree_map(jnp.asarray, chunk),
+                                           ids))
+                for ids, chunk in states.chunks(_PERSONAL_CHUNK))
+
+    def _personal_models(self) -> bool:
+        return self._adapt is not None or (
+            getattr(self.algorithm, "personal_variables", None) is not None)
+
+    def _personal(self, state: SimState, states: PyTree, ids: np.ndarray) -> PyTree:
+        """Clients `ids`' own models from their stacked `states`."""
+        if self._adapt is not None:
+            return self._adapt(state.server, states, self.adaptation_batches(state.round, ids))
+        return jax.vmap(self.algorithm.personal_variables, in_axes=(None, 0))(state.server,
+                                                                              states)
 
     def personal_evaluation(self, state: SimState) -> Optional[PyTree]:
         """Every client's own model, stacked on a leading client axis (K, ...), or None
         when the algorithm evaluates its global model on each client's data."""
-        if self._adapt is not None:
-            return self._adapt(state.server, state.client_states,
-                               self.adaptation_batches(state.round))
-        personal = getattr(self.algorithm, "personal_variables", None)
-        if personal is None or state.client_states is None:
+        states = state.client_states
+        if not self._personal_models() or (states is None and self._adapt is None):
             return None
-        return jax.vmap(personal, in_axes=(None, 0))(state.server, state.client_states)
+        if isinstance(states, store.DiskStates):
+            states = states.gather(np.arange(states.num_clients))
+        return self._personal(state, states, np.arange(self.data.num_clients))
 
-    def adaptation_batches(self, round_index: int) -> Dict[str, jax.Array]:
-        """Each client's batch for `personal_adapt` after `round_index` rounds, stacked
-        (K, B, ...): the first batch of an epoch order of its own, drawn from a stream of
-        the seed apart from training's (masked past the client's data)."""
-        ids = np.arange(self.data.num_clients)
+    def adaptation_batches(self, round_index: int, ids: Optional[np.ndarray] = None
+                           ) -> Dict[str, jax.Array]:
+        """Each client's (or clients `ids`') batch for `personal_adapt` after
+        `round_index` rounds, stacked (K, B, ...): the first batch of an epoch order of
+        its own, drawn from a stream of the seed apart from training's (masked past the
+        client's data)."""
+        ids = np.arange(self.data.num_clients) if ids is None else np.asarray(ids)
         keys = client_keys(jax.random.fold_in(self._data_key, _ADAPT_STREAM), round_index, ids)
         b = min(self.work.batch_size, self.data.max_size)  # as the executors' batches
         return jax.vmap(lambda row, n, key: step_batch(
             self.data.images, self.data.labels, row, n, key, 0, b))(
-            self.data.index_table, jnp.asarray(self.data.sizes, jnp.int32), keys)
+            self.data.index_table[jnp.asarray(ids)],
+            jnp.asarray(self.data.sizes[ids], jnp.int32), keys)
 
     def _weights(self, ids: np.ndarray) -> np.ndarray:
         """Clients' aggregation weights: 1 each (uniform) or their example counts."""
@@ -208,8 +253,11 @@ class Simulation:
                ids: Optional[np.ndarray] = None) -> Cohort:
         """Round `round_index`'s cohort: its sampled clients, or `ids` of them."""
         ids = self.sample(round_index) if ids is None else ids
-        states = None if state.client_states is None else jax.tree_util.tree_map(
-            lambda x: jnp.asarray(x[ids]), state.client_states)
+        states = state.client_states
+        if isinstance(states, store.DiskStates):
+            states = jax.tree_util.tree_map(jnp.asarray, states.gather(ids))
+        elif states is not None:
+            states = jax.tree_util.tree_map(lambda x: jnp.asarray(x[ids]), states)
         return Cohort(ids, self.steps[ids], self._weights(ids),
                       client_keys(self._data_key, round_index, ids),
                       client_keys(self._algo_key, round_index, ids), states, round_index)
@@ -244,6 +292,8 @@ class Simulation:
         """`client_states` with clients `ids`' rows set to `new` (stacked in `ids` order)."""
         if client_states is None:
             return None
+        if isinstance(client_states, store.DiskStates):
+            return client_states.scatter(ids, jax.device_get(new))
         if isinstance(jax.tree_util.tree_leaves(client_states)[0], np.ndarray):
             # In place, as the device path's donated scatter (a restored array may be
             # read-only: copied once).
@@ -274,6 +324,8 @@ class Simulation:
 
     def round(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
         """Runs round `state.round`; returns the new state and the round's statistics."""
+        if isinstance(state.client_states, store.DiskStates):
+            state.client_states.files.next_round()
         if self.stragglers is not None:
             return self._timed_round(state)
         return self._synchronous(state)
@@ -330,8 +382,11 @@ class Simulation:
         """Shapes of one client's in-flight entry: its output (a streaming rule: weighted),
         or for a model-space rule its model; with its scores."""
         ctx = placeholder_context(self.data.label_counts.shape[1])
-        one_state = None if client_states is None else jax.tree_util.tree_map(
-            lambda x: x[0], client_states)
+        if isinstance(client_states, store.DiskStates):
+            one_state = client_states.template()
+        else:
+            one_state = None if client_states is None else jax.tree_util.tree_map(
+                lambda x: x[0], client_states)
 
         def entry(server, client_state):
             alg = self.algorithm
@@ -498,14 +553,3 @@ def train_metrics(sums: Dict[str, Any]) -> Dict[str, float]:
         else:
             out["train_" + key] = float(value)
     return out
-
-
-def _too_big_for_device(nbytes: int) -> bool:
-    """True when `nbytes` exceeds half this process's first device's memory (when it
-    reports one)."""
-    try:
-        stats = jax.local_devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - backends without memory statistics
-        stats = {}
-    limit = stats.get("bytes_limit")
-    return bool(limit) and nbytes > limit // 2

@@ -1,0 +1,269 @@
+"""Where the K clients' persistent states live: the device, the host, or disk.
+
+`place` picks by size (`PLACES`; the config's `execution.client_states`): on the device
+while the K states take at most half its memory (accelerators report it), else in host
+memory while they take at most half of it, else on disk (`DiskStates`). The numbers are
+the same in every place; the host costs a transfer of each cohort's states per round, disk
+a read and a write of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any, Iterator, List, Optional, Tuple
+
+import jax
+import numpy as np
+
+PyTree = Any
+PLACES = ("auto", "device", "host", "disk")
+FOLDER = "client_states"  # inside a run's workdir
+_SHARE_BYTES = 1 << 28  # per broadcast when processes share a restored store
+
+
+def host_memory() -> int:
+    """This machine's physical memory in bytes (0 where it cannot tell)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def device_memory() -> int:
+    """Memory of this process's first device in bytes, 0 where it reports none (CPU)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory statistics
+        stats = {}
+    return int(stats.get("bytes_limit") or 0)
+
+
+def place(choice: str, nbytes: int) -> str:
+    """Where K clients' states of `nbytes` in all live: `choice`, or for 'auto' the device
+    while they take at most half its memory, then the host likewise, else disk."""
+    if choice not in PLACES:
+        raise ValueError(f"unknown place for client states {choice!r}; expected one of "
+                         f"{PLACES}")
+    if choice != "auto":
+        return choice
+    device, host = device_memory(), host_memory()
+    if device and nbytes <= device // 2:
+        return "device"
+    if not host or nbytes <= host // 2:
+        # CPU backends report no device memory: their "device" is host memory.
+        return "host" if device else "device"
+    return "disk"
+
+
+class _Slots:
+    """One file per leaf of a client's state, in slots of one state each (`pread`/`pwrite`,
+    not memory maps: a process's resident memory then holds only what it reads).
+
+    Slot 0 holds the state every client starts with. A slot is in use while some client's
+    current state is in it, `retired` for the rest of the round after it was replaced (the
+    state the round started from stays readable), and `protected` while the last
+    checkpoint refers to it; the others are free.
+    """
+
+    def __init__(self, directory: str, template: PyTree, owned: bool):
+        self.directory = directory
+        self.owned = owned  # a temporary folder of this process: removed on close
+        leaves, self.treedef = jax.tree_util.tree_flatten(template)
+        self.shapes = [np.shape(x) for x in leaves]
+        self.dtypes = [np.asarray(x).dtype for x in leaves]
+        self.sizes = [int(np.prod(s, dtype=np.int64)) * d.itemsize
+                      for s, d in zip(self.shapes, self.dtypes)]
+        os.makedirs(directory, exist_ok=True)
+        meta = {"shapes": [list(s) for s in self.shapes],
+                "dtypes": [d.str for d in self.dtypes]}
+        meta_path = os.path.join(directory, "layout.json")
+        if os.path.exists(meta_path):
+            with open(meta_path) as f:
+                if json.load(f) != meta:
+                    raise ValueError(f"{directory} holds client states of another layout")
+        else:
+            with open(meta_path, "w") as f:
+                json.dump(meta, f)
+        self.fds = [os.open(os.path.join(directory, f"leaf_{i:03d}.bin"),
+                            os.O_RDWR | os.O_CREAT, 0o644) for i in range(len(leaves))]
+        self.capacity = 1
+        self.free: List[int] = []
+        self.retired: List[int] = []
+        self.protected = np.zeros(1, bool)
+        self.write([0], [np.asarray(x)[None] for x in leaves])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
+
+    def read(self, slots: np.ndarray) -> List[np.ndarray]:
+        """Each leaf stacked over `slots` (host arrays)."""
+        out = []
+        for fd, shape, dtype, size in zip(self.fds, self.shapes, self.dtypes, self.sizes):
+            a = np.empty((len(slots), *shape), dtype)
+            flat = a.reshape(len(slots), -1).view(np.uint8)
+            for j, s in enumerate(slots):
+                data = os.pread(fd, size, int(s) * size)
+                if len(data) != size:
+                    raise OSError(f"client state slot {int(s)} is missing from "
+                                  f"{self.directory} (file cut short)")
+                flat[j] = np.frombuffer(data, np.uint8)
+            out.append(a)
+        return out
+
+    def write(self, slots, leaves: List[np.ndarray]) -> None:
+        for fd, size, x in zip(self.fds, self.sizes, leaves):
+            x = np.ascontiguousarray(x)
+            for j, s in enumerate(slots):
+                view = memoryview(x[j].reshape(-1).view(np.uint8)) if size else b""
+                if os.pwrite(fd, view, int(s) * size) != size:
+                    raise OSError(f"short write of client state slot {int(s)} in "
+                                  f"{self.directory}")
+
+    def allocate(self, n: int) -> np.ndarray:
+        """`n` free slots (more slots are added as needed)."""
+        while len(self.free) < n:
+            grow = max(n - len(self.free), self.capacity // 2, 16)
+            self.free.extend(range(self.capacity + grow - 1, self.capacity - 1, -1))
+            self.capacity += grow
+            self.protected = np.concatenate([self.protected, np.zeros(grow, bool)])
+        taken, self.free = self.free[-n:], self.free[:-n]
+        return np.asarray(taken[::-1], np.int64)
+
+    def retire(self, slots: np.ndarray) -> None:
+        self.retired.extend(int(s) for s in slots if s != 0)
+
+    def next_round(self) -> None:
+        """Slots replaced before this round are free now, unless a checkpoint holds them."""
+        self.free.extend(s for s in self.retired if not self.protected[s])
+        self.retired = []
+
+    def flush(self) -> None:
+        """On disk, not only in the page cache (before a checkpoint refers to it)."""
+        for fd in self.fds:
+            os.fsync(fd)
+
+    def protect(self, in_use: np.ndarray) -> None:
+        """The last checkpoint refers to `in_use`; slots the one before it held, and no
+        state uses now, become free."""
+        was = np.flatnonzero(self.protected)
+        self.protected[:] = False
+        self.protected[np.asarray(in_use, np.int64)] = True
+        self.protected[0] = True
+        live = set(int(s) for s in in_use) | set(self.retired)
+        self.free.extend(int(s) for s in was if s != 0 and s not in live
+                         and not self.protected[s])
+        self.free = sorted(set(self.free), reverse=True)
+
+    def restart(self, in_use: np.ndarray) -> None:
+        """After a restore: `in_use` is all that holds states; every other slot is free."""
+        size = max((os.fstat(fd).st_size // s for fd, s in zip(self.fds, self.sizes) if s),
+                   default=1)
+        self.capacity = max(int(size), int(np.max(in_use, initial=0)) + 1, 1)
+        self.protected = np.zeros(self.capacity, bool)
+        self.protected[np.asarray(in_use, np.int64)] = True
+        self.protected[0] = True
+        self.free = sorted(set(range(self.capacity)) - set(int(s) for s in in_use) - {0},
+                           reverse=True)
+        self.retired = []
+
+    def close(self) -> None:
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+        if self.owned:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class DiskStates:
+    """K clients' persistent states on disk: client k's state is slot `slots[k]` of
+    `files` (`_Slots`). Clients that never trained share slot 0, so the files grow with
+    the clients that trained, not with K. A pytree whose one leaf is `slots`: a checkpoint
+    saves K int32s, not a second copy of the states (the slots it names are kept until
+    the next checkpoint), and restores into the same files."""
+
+    def __init__(self, files: _Slots, slots: np.ndarray):
+        self.files, self.slots = files, slots
+
+    @staticmethod
+    def create(template: PyTree, num_clients: int, directory: Optional[str] = None
+               ) -> "DiskStates":
+        """Every one of `num_clients` clients holding `template`, in `directory` (a
+        temporary folder if None)."""
+        owned = directory is None
+        if owned:
+            directory = tempfile.mkdtemp(prefix="fedjax_pan-client-states-")
+        files = _Slots(directory, jax.tree_util.tree_map(np.asarray, template), owned)
+        return DiskStates(files, np.zeros(num_clients, np.int32))
+
+    @property
+    def num_clients(self) -> int:
+        return len(self.slots)
+
+    def gather(self, ids: np.ndarray) -> PyTree:
+        """Clients `ids`' states, stacked (host arrays)."""
+        leaves = self.files.read(np.asarray(self.slots)[np.asarray(ids)])
+        return jax.tree_util.tree_unflatten(self.files.treedef, leaves)
+
+    def template(self) -> PyTree:
+        """One client's state as it starts (slot 0)."""
+        leaves = [x[0] for x in self.files.read(np.zeros(1, np.int64))]
+        return jax.tree_util.tree_unflatten(self.files.treedef, leaves)
+
+    def scatter(self, ids: np.ndarray, new: PyTree) -> "DiskStates":
+        """These states with clients `ids`' set to `new` (stacked in `ids` order), written
+        to free slots: the slots this state names stay as they are."""
+        ids = np.asarray(ids)
+        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(new)]
+        slots = self.files.allocate(len(ids))
+        self.files.write(slots, leaves)
+        self.files.retire(np.asarray(self.slots)[ids])
+        out = np.array(self.slots)
+        out[ids] = slots
+        return DiskStates(self.files, out)
+
+    def chunks(self, size: int) -> Iterator[Tuple[np.ndarray, PyTree]]:
+        """(ids, their stacked states) over all clients, `size` at a time."""
+        for start in range(0, self.num_clients, size):
+            ids = np.arange(start, min(start + size, self.num_clients))
+            yield ids, self.gather(ids)
+
+    def resumed(self) -> None:
+        """After a restore: only the slots this state names hold states (in every process
+        of a multi-process run, from process 0's files)."""
+        from fedjax_pan import distributed
+        if distributed.process_count() > 1:
+            self.share_from_primary()
+        else:
+            self.files.restart(np.asarray(self.slots))
+
+    def share_from_primary(self) -> None:
+        """In a multi-process run, after a restore: every process's files hold process 0's
+        contents of the slots in use (broadcast a few hundred MB at a time)."""
+        from fedjax_pan import distributed
+        if distributed.process_count() == 1:
+            return
+        in_use = np.unique(np.concatenate([[0], np.asarray(self.slots)])).astype(np.int64)
+        step = max(1, _SHARE_BYTES // max(self.files.nbytes, 1))
+        for start in range(0, len(in_use), step):
+            part = in_use[start:start + step]
+            leaves = self.files.read(part) if distributed.is_primary() else [
+                np.zeros((len(part), *s), d) for s, d in zip(self.files.shapes,
+                                                             self.files.dtypes)]
+            leaves = distributed.broadcast_tree(leaves)
+            if not distributed.is_primary():
+                self.files.write(part, leaves)
+        self.files.restart(np.asarray(self.slots))
+
+
+jax.tree_util.register_pytree_node(
+    DiskStates, lambda d: ((d.slots,), d.files),
+    # Children as given: pytree utilities pass through values of every kind (a broadcast's
+    # global arrays, say); the methods read them as numpy.
+    lambda files, children: DiskStates(files, children[0]))

@@ -1,0 +1,151 @@
+"""Client states on the device, the host or disk: the choice by size, and `DiskStates`
+against a plain dict of arrays (the reference), across rounds, checkpoints and restarts."""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+
+from fedjax_pan import experiment
+from fedjax_pan.engine import store
+from fedjax_pan.engine.store import DiskStates, _Slots
+from test_experiment import config, metrics
+
+GB = 1 << 30
+
+
+@pytest.mark.parametrize("device,host,nbytes,where", [
+    (16 * GB, 64 * GB, 8 * GB, "device"),   # half the accelerator's memory
+    (16 * GB, 64 * GB, 9 * GB, "host"),
+    (16 * GB, 64 * GB, 33 * GB, "disk"),
+    (0, 24 * GB, 12 * GB, "device"),        # CPU: the device is host memory
+    (0, 24 * GB, 13 * GB, "disk"),
+])
+def test_auto_places_states_by_size(monkeypatch, device, host, nbytes, where):
+    monkeypatch.setattr(store, "device_memory", lambda: device)
+    monkeypatch.setattr(store, "host_memory", lambda: host)
+    assert store.place("auto", nbytes) == where
+    for choice in ("device", "host", "disk"):
+        assert store.place(choice, nbytes) == choice  # the override wins
+    with pytest.raises(ValueError, match="'ram'"):
+        store.place("ram", nbytes)
+
+
+def _template():
+    return {"w": np.zeros((3, 4), np.float32), "c": {"n": np.zeros((), np.int32)}}
+
+
+def _reference(k):
+    return [_template() for _ in range(k)]
+
+
+def _stack(states, ids):
+    return jax.tree_util.tree_map(lambda *x: np.stack(x), *[states[i] for i in ids])
+
+
+def _equal(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(a),
+                                                    jax.tree_util.tree_leaves(b)))
+
+
+def _round(rng, states, ref, m, t):
+    ids = np.sort(rng.choice(len(ref), m, replace=False))
+    new = [{"w": rng.standard_normal((3, 4)).astype(np.float32),
+            "c": {"n": np.int32(100 * t + i)}} for i in ids]
+    for i, s in zip(ids, new):
+        ref[i] = s
+    states.files.next_round()
+    return states.scatter(ids, jax.tree_util.tree_map(lambda *x: np.stack(x), *new))
+
+
+def test_disk_states_follow_a_reference_and_grow_with_the_clients_trained(tmp_path):
+    k, m = 50, 4
+    rng = np.random.default_rng(0)
+    states = DiskStates.create(_template(), k, str(tmp_path / "s"))
+    ref = _reference(k)
+    assert _equal(states.gather(np.arange(k)), _stack(ref, range(k)))
+    trained = set()
+    for t in range(30):
+        before, ref_before = states, list(ref)
+        states = _round(rng, states, ref, m, t)
+        trained |= set(np.flatnonzero(states.slots))
+        # The state the round started from is still readable (divergence saves it).
+        assert _equal(before.gather(np.arange(k)), _stack(ref_before, range(k)))
+        assert _equal(states.gather(np.arange(k)), _stack(ref, range(k)))
+    # Untrained clients share slot 0; the files hold the trained ones plus one round's
+    # replaced states, not K.
+    assert (states.slots == 0).sum() == k - len(trained)
+    assert states.files.capacity <= 1 + k + 2 * m + 16
+    size = os.path.getsize(tmp_path / "s" / "leaf_000.bin")  # 'n' sorts first
+    assert size <= states.files.capacity * 4
+    assert _equal(states.template(), _template())
+
+
+def test_checkpointed_slots_survive_later_rounds_and_a_restart(tmp_path):
+    k, m = 20, 5
+    rng = np.random.default_rng(1)
+    folder = str(tmp_path / "s")
+    states = DiskStates.create(_template(), k, folder)
+    ref = _reference(k)
+    for t in range(3):
+        states = _round(rng, states, ref, m, t)
+    states.files.flush()
+    states.files.protect(states.slots)  # a checkpoint of round 3
+    saved, ref_saved = DiskStates(states.files, states.slots.copy()), list(ref)
+    for t in range(3, 20):  # rounds past the checkpoint, then a crash
+        states = _round(rng, states, ref, m, t)
+    assert _equal(saved.gather(np.arange(k)), _stack(ref_saved, range(k)))
+    # A new process opens the folder at the checkpoint's slots and carries on.
+    states.files.close()
+    files = _Slots(folder, _template(), owned=False)
+    restored = DiskStates(files, saved.slots)
+    restored.resumed()
+    assert _equal(restored.gather(np.arange(k)), _stack(ref_saved, range(k)))
+    ref = ref_saved
+    for t in range(3, 10):
+        restored = _round(rng, restored, ref, m, t)
+        assert _equal(restored.gather(np.arange(k)), _stack(ref, range(k)))
+    assert restored.files.capacity < 1 + k + 4 * m + 32  # freed slots were reused
+
+
+def test_a_folder_of_another_layout_is_refused(tmp_path):
+    DiskStates.create(_template(), 3, str(tmp_path / "s"))
+    with pytest.raises(ValueError, match="another layout"):
+        DiskStates.create({"w": np.zeros(5, np.float32)}, 3, str(tmp_path / "s"))
+
+
+def test_a_temporary_store_is_removed_when_closed():
+    states = DiskStates.create(_template(), 4)
+    folder = states.files.directory
+    assert os.path.isdir(folder)
+    states.files.close()
+    assert not os.path.exists(folder)
+
+
+def test_a_run_with_states_on_disk_resumes_exactly_and_checkpoints_only_their_slots(
+        tmp_path):
+    cfg = dict(algorithm="scaffold", rounds=4, checkpoint_every=2)
+    full, part, memory = (str(tmp_path / n) for n in ("full", "part", "memory"))
+    experiment.train(config(**cfg, execution__client_states="device"), memory,
+                     progress=False)
+    experiment.train(config(**cfg, execution__client_states="disk"), full, progress=False)
+    experiment.train(config(**cfg, execution__client_states="disk"), part, progress=False)
+    assert metrics(full) == metrics(memory)
+    # A crash after round 4's states were written, before its checkpoint landed.
+    shutil.rmtree(os.path.join(part, "checkpoints", "4"))
+    summary = experiment.train(config(**cfg, execution__client_states="disk"), part,
+                               resume=True, progress=False)
+    assert summary["rounds"] == 4 and metrics(part) == metrics(full)
+    states = os.path.join(full, store.FOLDER)
+    assert os.path.isfile(os.path.join(states, "layout.json"))
+
+    def size(path):
+        return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path)
+                   for f in fs)
+    # The in-memory run's checkpoint holds the K control variates; the disk run's holds
+    # K slot numbers beside the model.
+    in_memory = size(os.path.join(memory, "checkpoints", "4"))
+    on_disk = size(os.path.join(full, "checkpoints", "4"))
+    assert on_disk < in_memory / 5
