@@ -117,6 +117,15 @@ def test_every_section_is_present(quick):
     assert any(k.endswith(" bucketed") for k in results["padding"]["configs"])
     assert results["vgg"] and all("auto" in b and "naive" in b for b in results["vgg"].values())
     assert [p["clients_per_round"] for p in results["scaling"]["points"]] == [2, 5, 10]
+    # The population grid in increasing K, each point's peak bounding those before it.
+    population = results["scaling"]["population"]["points"]
+    assert [(p["num_clients"], p["clients_per_round"]) for p in population] == [
+        (100, 2), (100, 5), (1000, 2), (1000, 5)]
+    peaks = [p["peak_rss_mib"] for p in population]
+    assert peaks == sorted(peaks) and all(p["compiles_timed"] == 0 for p in population)
+    assert population[2]["client_data_mib"] == pytest.approx(
+        10 * population[0]["client_data_mib"])
+    assert results["scaling"]["moon"] is None  # not in the quick suite
 
 
 @pytest.mark.slow  # the quick suite run (shared fixture): about 2 minutes

@@ -149,3 +149,17 @@ def test_a_run_with_states_on_disk_resumes_exactly_and_checkpoints_only_their_sl
     in_memory = size(os.path.join(memory, "checkpoints", "4"))
     on_disk = size(os.path.join(full, "checkpoints", "4"))
     assert on_disk < in_memory / 5
+
+
+def test_a_temporary_store_is_removed_once_unreferenced():
+    import gc
+    states = DiskStates.create(_template(), 4)
+    folder = states.files.directory
+    later = states.scatter(np.array([1]), jax.tree_util.tree_map(lambda x: x[None],
+                                                                 _template()))
+    del states
+    gc.collect()
+    assert os.path.isdir(folder)  # `later` still reads it
+    del later
+    gc.collect()
+    assert not os.path.exists(folder)

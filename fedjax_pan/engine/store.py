@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
 import jax
@@ -89,6 +90,9 @@ class _Slots:
                 json.dump(meta, f)
         self.fds = [os.open(os.path.join(directory, f"leaf_{i:03d}.bin"),
                             os.O_RDWR | os.O_CREAT, 0o644) for i in range(len(leaves))]
+        # Closed (and a temporary folder removed) when no state refers to it any more.
+        self._closer = weakref.finalize(self, _close, list(self.fds),
+                                        directory if owned else None)
         self.capacity = 1
         self.free: List[int] = []
         self.retired: List[int] = []
@@ -171,14 +175,18 @@ class _Slots:
         self.retired = []
 
     def close(self) -> None:
-        for fd in self.fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._closer()
         self.fds = []
-        if self.owned:
-            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _close(fds: List[int], temporary: Optional[str]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if temporary is not None:
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
 class DiskStates:
