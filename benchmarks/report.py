@@ -244,8 +244,8 @@ def _moon_block(r: Dict[str, Any]) -> tuple:
              f"{r['peak_rss_gib']:.2f}", f"{r['wall_seconds']:.0f}",
              f"{100 * r['test_accuracy']:.2f}%"]]
     return ("MOON over many clients (client states on disk)", [
-        "Fashion-MNIST, Dirichlet alpha=0.1, the MLP bench network, one previous model per "
-        "client; states placed by size (execution.client_states=auto); clients that never "
+        "Fashion-MNIST, Dirichlet alpha=0.1, the MLP bench network, E=2, B=10, one previous "
+        "model per client; states placed by size (execution.client_states=auto); clients that never "
         "trained share the initial state; peak RSS of the run's own process"],
         header, rows)
 

@@ -163,3 +163,35 @@ def test_a_temporary_store_is_removed_once_unreferenced():
     del later
     gc.collect()
     assert not os.path.exists(folder)
+
+
+def test_moon_on_disk_over_many_rounds_and_checkpoints_equals_moon_in_memory():
+    """MOON's previous models on disk, slots reused round after round and protected by a
+    checkpoint every 3 rounds, against the same run with its states on the device."""
+    from conftest import tiny_clients, tiny_fedavg
+    from fedjax_pan.algorithms import client_optimizer
+    from fedjax_pan.algorithms.moon import moon
+    from fedjax_pan.engine import LocalWork, Simulation, make_executor
+    model, variables, _ = tiny_fedavg()
+    algo = moon(model, client_optimizer(0.05, 0.9), mu=1.0, tau=0.5)
+    sizes = np.random.default_rng(3).integers(3, 12, 40)
+    _, cd = tiny_clients(sizes)
+    work = LocalWork(batch_size=4, epochs=1.0)
+    finals = {}
+    for place in ("device", "disk"):
+        ex = make_executor("loop", algo, work, cd, variables, 6)
+        sim = Simulation(algo, cd, work, ex, participation=0.15, seed=5, states_in=place)
+        state = sim.init(variables)
+        for _ in range(25):
+            state, _ = sim.round(state)
+            if state.round % 3 == 0:
+                state.saved()
+                state.checkpointed()
+        finals[place] = state
+    disk = finals["disk"].client_states
+    assert disk.files.capacity < 1 + 40 + 6 * 4 + 32  # slots were reused
+    on_disk = disk.gather(np.arange(40))
+    for a, b in zip(jax.tree_util.tree_leaves((finals["device"].server,
+                                               finals["device"].client_states)),
+                    jax.tree_util.tree_leaves((finals["disk"].server, on_disk))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -118,7 +118,9 @@ def moon_many_clients(settings: Settings, log: Log) -> Optional[Dict[str, Any]]:
                f"--config={os.path.join(root, 'configs', 'fmnist_mlp.py')}:pans_off",
                f"--workdir={workdir}", "--noprogress", "--config.algorithm=moon",
                f"--config.partition.num_clients={k}", f"--config.participation={m / k}",
-               "--config.local.epochs=1", f"--config.rounds={rounds}",
+               # FEMNIST's protocol's B = 10 (configs/femnist_mlp.py), two epochs.
+               "--config.local.epochs=2", "--config.local.batch_size=10",
+               f"--config.rounds={rounds}",
                f"--config.eval.every={rounds}", "--config.optimizer.warmup=none",
                f"--config.checkpoint_every={max(1, rounds // 4)}"]
         start = time.perf_counter()
