@@ -26,6 +26,8 @@ def scaling_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
     Each setting gets its own executor and warm-up; `compiles_timed` must be 0.
     `per_client_vs_first` is (t/M) / (t_first/M_first): 1.0 means linear cost.
     """
+    # The population first: its peaks are this process's before any larger workload.
+    population = population_section(settings, ceiling, log)
     per_round = [m for m in settings.scaling_per_round]
     w = mlp_workload(settings, max(settings.mlp_clients, max(per_round)))
     strategy = resolve_strategy("auto", w.variables)
@@ -47,7 +49,6 @@ def scaling_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
     for p in points:
         p["per_client_vs_first"] = p["seconds_per_client"] / points[0]["seconds_per_client"]
     del w
-    population = population_section(settings, ceiling, log)
     return {"strategy": strategy, "workload": w_description, "points": points,
             "compiles_after_warmup": sum(p["compiles_timed"] for p in points)
             + sum(p["compiles_timed"] for p in population["points"]),
