@@ -210,6 +210,26 @@ def peak_rss_mib() -> float:
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 
+def rss_mib() -> Optional[float]:
+    """Resident memory of this process now (Linux's /proc; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def device_in_use_mib() -> Optional[float]:
+    """Memory in use on the first device now (accelerators; None where not reported)."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
+    if not stats or "bytes_in_use" not in stats:
+        return None
+    return stats["bytes_in_use"] / 2 ** 20
+
+
 def device_peak_mib() -> Optional[float]:
     """Peak memory in use on the first device (accelerators; None where not reported)."""
     try:

@@ -221,18 +221,21 @@ def _blocks(results: Results) -> List[tuple]:
 
 
 def _population_block(r: Dict[str, Any]) -> tuple:
+    def mib(x):
+        return "-" if x is None else f"{x:.0f}"
     header = ["K clients", "clients/round", "s/round", "examples/s", "client data MiB",
-              "peak RSS MiB", "device peak MiB", "compiles timed"]
+              "RSS after MiB", "peak RSS MiB", "device in use MiB", "device peak MiB",
+              "compiles timed"]
     rows = [[f"{p['num_clients']:,}", str(p["clients_per_round"]),
              f"{p['seconds_per_round']:.3f}", f"{p['examples_per_second']:.0f}",
-             f"{p['client_data_mib']:.2f}", f"{p['peak_rss_mib']:.0f}",
-             "-" if p["device_peak_mib"] is None else f"{p['device_peak_mib']:.0f}",
+             f"{p['client_data_mib']:.2f}", mib(p.get("rss_mib")), mib(p["peak_rss_mib"]),
+             mib(p.get("device_in_use_mib")), mib(p["device_peak_mib"]),
              str(p["compiles_timed"])] for p in r["points"]]
     return ("Population (stateless FedAvg, MLP bench network)", [
         f"clients of {r['examples_per_client']} examples each from one pool of "
-        f"{r['pool']:,} (one local step each), strategy {r['strategy']} (auto); K in "
-        "increasing order, so each peak bounds all points above it: memory that grew "
-        "with K would show here"], header, rows)
+        f"{r['pool']:,} (one local step each), strategy {r['strategy']} (auto); memory "
+        "after each point with its round state dropped and its workload kept, and the "
+        "peaks so far (K in increasing order)"], header, rows)
 
 
 def _moon_block(r: Dict[str, Any]) -> tuple:

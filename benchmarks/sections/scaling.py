@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -12,9 +13,9 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-from benchmarks.harness import (MLP_PARAMS, Log, Settings, Workload, device_peak_mib,
-                                make_workload, mlp_workload, peak_rss_mib, summarize,
-                                time_engine)
+from benchmarks.harness import (MLP_PARAMS, Log, Settings, Workload, device_in_use_mib,
+                                device_peak_mib, make_workload, mlp_workload, peak_rss_mib,
+                                rss_mib, summarize, time_engine)
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
 from fedjax_pan.engine import resolve_strategy, store
@@ -73,19 +74,24 @@ def population_workload(settings: Settings, num_clients: int) -> Workload:
 
 
 def population_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
-    """Round time and this process's peak resident memory as the population K and the
-    clients per round M grow (stateless FedAvg: memory must not grow with K).
+    """Round time and memory as the population K and the clients per round M grow
+    (stateless FedAvg: memory must not grow with K).
 
-    K is taken in increasing order, so the peak after each point bounds every point so
-    far: a flat column means no K-sized allocation."""
+    Memory after each point: this process's resident memory and the device's memory in
+    use once the point's state is dropped but its workload kept (what a run of that K and
+    M holds), and the peaks so far (K in increasing order: each peak bounds the points
+    before it)."""
     points = []
     strategy = None
     for k in sorted(settings.population_sizes):
+        gc.collect()  # the previous K's workload is gone before this one is built
         w = population_workload(settings, k)
         strategy = resolve_strategy("auto", w.variables)
         for m_per in sorted(m for m in settings.population_per_round if m <= k):
             sim = w.simulation(w.executor(strategy, m_per, settings), m_per, settings.seed)
             m = time_engine(sim, w.variables, None, 1, 1, settings.slow_round_s)
+            del sim
+            gc.collect()
             rec = summarize(m, w.flops_per_example, ceiling)
             points.append({"num_clients": k, "clients_per_round": m_per,
                            **{key: rec[key] for key in ("seconds_per_round",
@@ -93,10 +99,12 @@ def population_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
                                                         "compiles_timed")},
                            "client_data_mib": (w.data.index_table.nbytes
                                                + w.data.sizes.nbytes) / 2**20,
-                           "peak_rss_mib": peak_rss_mib(),
+                           "rss_mib": rss_mib(), "peak_rss_mib": peak_rss_mib(),
+                           "device_in_use_mib": device_in_use_mib(),
                            "device_peak_mib": device_peak_mib()})
             log(f"[scaling] K={k}, {m_per} clients/round: {rec['seconds_per_round']:.3f} "
-                f"s/round, peak RSS {points[-1]['peak_rss_mib']:.0f} MiB")
+                f"s/round, RSS {points[-1]['rss_mib']:.0f} MiB (peak "
+                f"{points[-1]['peak_rss_mib']:.0f})")
         del w
     return {"strategy": strategy, "examples_per_client": settings.population_examples,
             "pool": settings.population_pool, "points": points}

@@ -27,6 +27,7 @@ in the first round, so nothing recompiles after it.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import functools
@@ -504,7 +505,7 @@ class VmapExecutor:
                 return jax.block_until_ready(self._run_block(*args, *zeros()))
             first = [] if self._compiled else [one(next(calls))]
             self._compiled = True
-            done = itertools.chain(first, pool.map(one, calls))
+            done = itertools.chain(first, _in_order(pool, one, calls, 2 * self.workers))
         else:
             # One block after another, each adding to the running sums it is given.
             out_sum, metrics = zeros()
@@ -538,6 +539,19 @@ class VmapExecutor:
         return CohortResult(self._local(out_sum), _stack(slot_states), self._local(metrics),
                             self.computed_examples(self.data.sizes[cohort.ids], cohort.steps),
                             _stack(slot_outputs) if p.stacked else None)
+
+
+def _in_order(pool: concurrent.futures.Executor, fn, items, window: int):
+    """fn(item) for each item, computed by `pool`, yielded in order; at most `window` in
+    flight or done and not yet taken (`Executor.map` submits them all at once, and a
+    cohort of 1,000 clients would then hold up to 1,000 model-sized outputs)."""
+    pending: collections.deque = collections.deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= window:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _over_clients(fn, in_axes, single: bool):
