@@ -219,26 +219,25 @@ def rss_mib() -> Optional[float]:
         return None
 
 
-def device_in_use_mib() -> Optional[float]:
-    """Memory in use on the first device now (accelerators; None where not reported)."""
+def _device_mib(key: str) -> Optional[float]:
+    """The first device's memory statistic `key` in MiB (None where not reported)."""
     try:
         stats = jax.devices()[0].memory_stats()
     except (AttributeError, NotImplementedError, RuntimeError):
         return None
-    if not stats or "bytes_in_use" not in stats:
+    if not stats or key not in stats:
         return None
-    return stats["bytes_in_use"] / 2 ** 20
+    return stats[key] / 2 ** 20
+
+
+def device_in_use_mib() -> Optional[float]:
+    """Memory in use on the first device now (accelerators; None where not reported)."""
+    return _device_mib("bytes_in_use")
 
 
 def device_peak_mib() -> Optional[float]:
     """Peak memory in use on the first device (accelerators; None where not reported)."""
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except (AttributeError, NotImplementedError, RuntimeError):
-        return None
-    if not stats or "peak_bytes_in_use" not in stats:
-        return None
-    return stats["peak_bytes_in_use"] / 2 ** 20
+    return _device_mib("peak_bytes_in_use")
 
 
 def git_commit() -> Optional[Dict[str, Any]]:

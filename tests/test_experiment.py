@@ -458,7 +458,8 @@ def test_divergence_advice_names_the_options_set_away_from_their_default(tmp_pat
                          progress=False)
 
 
-@pytest.mark.parametrize("when", ["evaluating", "returning"])
+@pytest.mark.parametrize("when", ["evaluating",
+                                  pytest.param("returning", marks=pytest.mark.slow)])
 def test_a_signal_after_a_round_ran_keeps_rows_and_checkpoints_consistent(tmp_path,
                                                                           monkeypatch, when):
     """FedPer keeps per-client state, whose buffers a round donates. A SIGTERM while round

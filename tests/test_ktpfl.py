@@ -146,7 +146,8 @@ def _run(sim, rounds=2):
     return states
 
 
-@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+# The loop executor with the slow tests: both executors run the groups' common code.
+@pytest.mark.parametrize("strategy", [pytest.param("loop", marks=pytest.mark.slow), "vmap"])
 @pytest.mark.parametrize("arch", [[0, 1, 0, 1, 0, 1],
                                   pytest.param([1, 1, 0, 0, 0, 1], marks=pytest.mark.slow)])
 def test_one_network_in_two_groups_equals_one_group(strategy, arch):

@@ -244,7 +244,9 @@ def test_compose_and_inverse():
     np.testing.assert_array_equal(P.compose(a, P.inverse(a))["x"], np.arange(7))
 
 
-@pytest.mark.parametrize("name", ["mlp", "vgg13", "resnet20"])
+# The convnets with the slow tests (their invariance is checked in the default run).
+@pytest.mark.parametrize("name", ["mlp", *(pytest.param(n, marks=pytest.mark.slow)
+                                           for n in ("vgg13", "resnet20"))])
 def test_shuffle_error_grows_with_amplitude_and_faster_for_pan_mul(name):
     """Eq. 8 on N(0,1) inputs: ~0 with PANs off, positive and increasing in A when on, and
     PANx grows faster (superlinearly, its A^(L-1) terms) than PAN+ (paper Sect. 3.2)."""
