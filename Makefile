@@ -32,7 +32,7 @@ MP_CONFIG ?= configs/fmnist_mlp.py:multiprocess
 multiprocess-check: setup
 	JAX_NUM_CPU_DEVICES=2 $(PY) -m fedjax_pan.main --config=$(MP_CONFIG) --workdir=$(MP_DIR)/one_process --overwrite --noprogress
 	$(PY) -m fedjax_pan.launch --processes=2 --devices=2 -- --config=$(MP_CONFIG) --workdir=$(MP_DIR)/two_processes --overwrite --noprogress
-	$(PY) -m fedjax_pan.launch compare $(MP_DIR)/one_process $(MP_DIR)/two_processes --tolerance=1e-5
+	$(PY) -m fedjax_pan.launch compare $(MP_DIR)/one_process $(MP_DIR)/two_processes
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,7 +1,7 @@
 """Local multi-process runs: N processes of `fedjax_pan.main` on this machine.
 
   python -m fedjax_pan.launch --processes=2 --devices=2 -- --config=FILE --workdir=DIR
-  python -m fedjax_pan.launch compare DIR_A DIR_B [--tolerance=1e-4]
+  python -m fedjax_pan.launch compare DIR_A DIR_B [--tolerance=1e-4] [--accuracy_tolerance=1e-3]
 
 The first form starts N processes joined by JAX's runtime (process 0 coordinates on
 localhost), each with `--devices` CPU devices (JAX_NUM_CPU_DEVICES) where given, and waits
@@ -12,7 +12,10 @@ Its exit status is the first failure's, else 0. On a cluster, start one
 several hosts").
 
 The second form compares two runs' metrics.jsonl round by round (variants included) and
-exits 1 where a number differs by more than the tolerance (relative, and absolute near 0).
+exits 1 where a number differs by more than the tolerance (relative, and absolute near 0);
+accuracies, counts over examples, by more than `accuracy_tolerance` (absolute): float32
+sums taken in another order can move an example across a decision boundary (one test
+example of 10,000 is 1e-4).
 """
 
 from __future__ import annotations
@@ -112,9 +115,11 @@ def _rows(workdir: str) -> Dict[str, List[dict]]:
     return out
 
 
-def compare(a: str, b: str, tolerance: float = 1e-4) -> Tuple[float, List[str]]:
-    """(the largest relative difference between runs `a` and `b`'s numbers, the
-    differences beyond `tolerance`, each as a line)."""
+def compare(a: str, b: str, tolerance: float = 1e-4, accuracy_tolerance: float = 1e-3
+            ) -> Tuple[float, List[str]]:
+    """(the largest relative difference between runs `a` and `b`'s numbers other than
+    accuracies, the differences beyond `tolerance` or, for accuracies, beyond
+    `accuracy_tolerance` (absolute), each as a line)."""
     rows_a, rows_b = _rows(a), _rows(b)
     problems: List[str] = []
     if sorted(rows_a) != sorted(rows_b):
@@ -133,6 +138,10 @@ def compare(a: str, b: str, tolerance: float = 1e-4) -> Tuple[float, List[str]]:
                     if x != y:
                         problems.append(f"{name} round {ra.get('round')}: {key} {x!r} vs {y!r}")
                     continue
+                if "accuracy" in key:
+                    if abs(x - y) > accuracy_tolerance:
+                        problems.append(f"{name} round {ra['round']}: {key} {x!r} vs {y!r}")
+                    continue
                 diff = abs(x - y) / max(abs(x), abs(y), 1e-3)
                 worst = max(worst, diff)
                 if diff > tolerance:
@@ -147,16 +156,18 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.add_argument("a")
         parser.add_argument("b")
         parser.add_argument("--tolerance", type=float, default=1e-4)
+        parser.add_argument("--accuracy_tolerance", type=float, default=1e-3)
         args = parser.parse_args(argv[1:])
         try:
-            worst, problems = compare(args.a, args.b, args.tolerance)
+            worst, problems = compare(args.a, args.b, args.tolerance, args.accuracy_tolerance)
         except (OSError, ValueError) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         for line in problems[:20]:
             print(line)
-        print(f"largest relative difference {worst:.3g} "
-              f"({'within' if not problems else 'beyond'} {args.tolerance:g})")
+        print(f"largest relative difference {worst:.3g} (tolerance {args.tolerance:g}; "
+              f"accuracies within {args.accuracy_tolerance:g} absolute): "
+              f"{'equal' if not problems else 'different'}")
         return 1 if problems else 0
     main_args: List[str] = []
     if "--" in argv:
