@@ -204,9 +204,10 @@ def make_settings(suite: str = "cpu", quick: bool = False,
                     scaling_per_round=scaling, grouped_rounds=grouped_rounds)
 
 
-def peak_rss_mib() -> float:
-    """Peak resident memory of this process so far (ru_maxrss: KiB on Linux, B on macOS)."""
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def peak_rss_mib(usage: Optional[Any] = None) -> float:
+    """Peak resident memory of this process so far, or of the process `usage`
+    (`resource.struct_rusage`) describes (ru_maxrss: KiB on Linux, B on macOS)."""
+    rss = (usage or resource.getrusage(resource.RUSAGE_SELF)).ru_maxrss
     return rss / (1024 * 1024) if sys.platform == "darwin" else rss / 1024
 
 

@@ -27,8 +27,8 @@ from fedjax_pan.errors import (ConfigError, Interrupted, TrainingDiverged, Workd
 from fedjax_pan.reporting import (compare_groups, format_table, paired_stats, plot_curves,
                                   seed_groups, summarize)
 from fedjax_pan.resume import RESUMABLE_CHANGES, check_workdir, config_changes, read_metrics
-from fedjax_pan.training import (COUNTERS, Summary, claim, evaluate_clients, train,
-                                 train_into, train_rounds)
+from fedjax_pan.training import (COUNTERS, Summary, check_run, claim, evaluate_clients,
+                                 train, train_into, train_rounds)
 
 __all__ = ["ConfigError", "TrainingDiverged", "WorkdirError", "Interrupted", "Experiment",
            "validate", "build", "build_counted", "make_round", "load_dataset", "public_split",
@@ -80,9 +80,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
             validate(c)
         except ConfigError as e:
             raise ConfigError(f"variant {name!r}: {e}") from None
-    distributed.check_same_config(cfg.to_json())
-    distributed.on_primary(lambda: check_workdir(cfg, workdir, resume=resume,
-                                                 overwrite=overwrite), "checking the workdir")
+    check_run(cfg, workdir, resume=resume, overwrite=overwrite)
     cache: Dict[Any, Any] = {}
     experiments = {name: build_counted(c, cache) for name, c in configs.items()}
     top = os.path.join(workdir, "config.json")

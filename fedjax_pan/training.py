@@ -52,12 +52,19 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
     and process 0 alone reads and writes the workdir.
     """
     validate(cfg)
-    distributed.check_same_config(cfg.to_json())
-    distributed.on_primary(lambda: check_workdir(cfg, workdir, resume=resume,
-                                                 overwrite=overwrite), "checking the workdir")
+    check_run(cfg, workdir, resume=resume, overwrite=overwrite)
     exp = build_counted(cfg)
     with claim(workdir, overwrite=overwrite, resume=resume):
         return train_into(exp, workdir, resume=resume, progress=progress, desc=desc)
+
+
+def check_run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool,
+              overwrite: bool) -> None:
+    """Every process was given the same config, and process 0 finds `workdir` usable
+    (`resume.check_workdir`); a refusal stops every process with the same error."""
+    distributed.check_same_config(cfg.to_json())
+    distributed.on_primary(lambda: check_workdir(cfg, workdir, resume=resume,
+                                                 overwrite=overwrite), "checking the workdir")
 
 
 def claim(workdir: str, *, overwrite: bool, resume: bool):

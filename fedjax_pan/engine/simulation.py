@@ -170,11 +170,11 @@ class Simulation:
         if one is None:
             return SimState(server, None, 0)
         k = self.data.num_clients
-        self.states_place = store.place(self.states_in, k * sum(
+        place = store.place(self.states_in, k * sum(
             np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(one)))
-        if self.states_place == "disk":
+        if place == "disk":
             states = store.DiskStates.create(one, k, self._states_dir)
-        elif self.states_place == "host":
+        elif place == "host":
             states = jax.tree_util.tree_map(
                 lambda x: np.repeat(np.asarray(x)[None], k, axis=0), one)
         else:
