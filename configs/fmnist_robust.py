@@ -64,6 +64,7 @@ def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
         c.model.options = {"hidden": [64, 64]}
         # Phases taken out of local.epochs = 1, so other algorithms run on this preset.
         c.fedrep.head_epochs = c.ktpfl.distill_epochs = 0.5
+        c.fedproto.collect_epochs = c.fedgh.collect_epochs = c.fedpcl.collect_epochs = 0.5
         c.variants = {"fedavg_no_threat": {**DEFENCES["fedavg"], **CLEAN},
                       "fedavg": DEFENCES["fedavg"], "sageflow": DEFENCES["sageflow"]}
     else:

@@ -79,6 +79,9 @@ def parse_args(argv: Optional[Sequence[str]], prog: str, description: str,
     p.add_argument("--seeds", type=int, nargs="+", default=None,
                    help="the seeds to run, in place of the preset's (multi-seed scripts; "
                         "runs of one preset split by seed can be gathered with --resume)")
+    p.add_argument("--algorithms", nargs="+", default=None,
+                   help="the algorithms to run, in place of the preset's (scripts comparing "
+                        "algorithms; runs split by algorithm can be gathered with --resume)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     p.add_argument("--resume", action="store_true",
                    help="continue in a non-empty --out: finished runs are kept, interrupted "
@@ -125,6 +128,7 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
         if args.resume and not supports_resume(run):
             raise UsageError(f"experiments.{module} has no --resume (its work is one piece)")
         settings = with_seeds(module, presets[args.preset], args.seed, args.seeds)
+        settings = with_algorithms(module, settings, args.algorithms)
         check_out(args.out, args.overwrite, args.resume)
     except (UsageError, RunError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -182,6 +186,24 @@ def with_seeds(module: str, settings: Any, seed: Optional[int],
     if len(set(seeds)) != len(seeds) or min(seeds) < 0:
         raise UsageError(f"--seeds must be distinct non-negative integers, got {list(seeds)}")
     return dataclasses.replace(settings, seeds=tuple(seeds))
+
+
+def with_algorithms(module: str, settings: Any, algorithms: Optional[Sequence[str]]) -> Any:
+    """`settings` with --algorithms in place of its `algorithms`: each one the preset
+    runs, or one of the script's `ALGORITHMS` (refused where the script compares none)."""
+    if algorithms is None:
+        return settings
+    fields = ({f.name: f for f in dataclasses.fields(settings)}
+              if dataclasses.is_dataclass(settings) else {})
+    if "algorithms" not in fields:
+        raise UsageError(f"experiments.{module} compares no algorithms: --algorithms does "
+                         f"not apply")
+    known = set(settings.algorithms) | set(getattr(fields["algorithms"], "default", ()) or ())
+    unknown = [a for a in algorithms if a not in known]
+    if unknown or len(set(algorithms)) != len(algorithms):
+        raise UsageError(f"--algorithms must be distinct names among "
+                         f"{', '.join(sorted(known))}; got {' '.join(algorithms)}")
+    return dataclasses.replace(settings, algorithms=tuple(algorithms))
 
 
 def supports_resume(run: Callable[..., Any]) -> bool:

@@ -4,18 +4,23 @@ Fashion-MNIST, an MLP (the preset's), every client's data split 75/25 into its o
 parts (PFLlib's `partition.test_fraction` 0.25), two label skews (PFLlib's `pat`:
 pathological, 2 classes per client; `dir`: Dirichlet 0.1 by class) and two federation
 sizes, K = 20 (PFLlib's default, all clients every round) and K = 100 (10% per round).
-Algorithms: FedAvg (its global model on each client's data) and the personalised ones the
-library has, each evaluating its own per-client model: Local, FedPer, LG-FedAvg, Ditto,
-APFL, FedRep, Per-FedAvg (first order), pFedMe, FedRoD, FedALA, KT-pFL, and KT-pFL over
-clients of three architectures (`ktpfl_mixed`: client n runs the n mod 3-th of the
-preset's `mixed` networks, two MLPs and a small CNN, at lr 0.01) (FedBN needs
-normalisation layers, which this MLP has none of: it would be FedAvg). SGD lr 0.05 momentum 0.9 at a
-constant learning rate (PFLlib has no warm-up); as PFLlib, FedRep trains its head one
-epoch and then its body E epochs, FedALA makes its ALA pass over 80% of the data before
-its E epochs, Per-FedAvg loads batches of 2B and halves them, and pFedMe and Per-FedAvg
-take their own plain SGD steps (pFedMe: lambda 15, 5 inner steps of 0.09); KT-pFL holds
+Algorithms: FedAvg and FedProx (their global model on each client's data), FedAvg-C and
+FedProx-C (that model fine-tuned by each client for an epoch of its own data first,
+`eval.finetune_epochs`), and the personalised ones the library has, each evaluating its
+own per-client model: Local, FedPer, LG-FedAvg, Ditto, APFL, FedRep, Per-FedAvg (first
+order), pFedMe, FedRoD, FedALA, FedAMP, FedPHP, FedFomo, APPLE, FedMTL, PartialFed,
+FedProto, KT-pFL, and KT-pFL over clients of three architectures (`ktpfl_mixed`: client n runs the
+n mod 3-th of the preset's `mixed` networks, two MLPs and a small CNN, at lr 0.01) (FedBN
+needs normalisation layers, which this MLP has none of: it would be FedAvg). SGD lr 0.05
+momentum 0.9 at a constant learning rate (PFLlib has no warm-up); as PFLlib, FedRep trains
+its head one epoch and then its body E epochs, FedALA makes its ALA pass over 80% of the
+data before its E epochs, Per-FedAvg loads batches of 2B and halves them, and pFedMe and
+Per-FedAvg take their own plain SGD steps (pFedMe: lambda 15, 5 inner steps of 0.09);
+PartialFed learns its loading strategy over half an epoch's steps and FedFomo scores the
+models it receives over a fifth of an epoch's batches before their E epochs, FedProto
+collects its class means in a pass over the data after them; KT-pFL holds
 1,000 training examples out as its public set and distils for an epoch's steps after its
-E epochs.
+E epochs. Every algorithm runs with its library defaults otherwise.
 Every run goes through the library's training loop into
 `runs/<setting>_<algorithm>_s<seed>/`.
 
@@ -25,15 +30,18 @@ worst 10% of clients, the global model's accuracy on the global test set, and it
 time (the median over rounds after the first) relative to FedAvg's in the same setting.
 
 Presets:
-  cpu     20 rounds of E = 1, seed 0, McMahan et al.'s 2NN (784-200-200-10): about an
-          hour on 2 CPU cores (--seeds 0 1 doubles it)
+  cpu     20 rounds of E = 1, seed 0, McMahan et al.'s 2NN (784-200-200-10): about two
+          hours on 2 CPU cores (--seeds 0 1 doubles it; --algorithms picks some)
+  fedala_table  the cpu preset's runs of paper 001's FedALA table (its 14 methods, K = 20,
+          both skews): about 25 minutes
   paper   PFLlib's length, 2000 rounds of E = 1, seeds 0-2, the PAN paper's MLP
           (an accelerator's work)
   default the cpu preset
   smoke   synthetic data, a 16-wide MLP, K = 6, 2 rounds, two algorithms, one skew
 Outputs: personalized_runs.csv, personalized.csv (mean / std over seeds per setting and
 algorithm), personalized.json, personalized.png (the PFLlib aggregate per setting),
-personalized_curves.png (the PFLlib aggregate per round).
+personalized_curves.png (the PFLlib aggregate per round), fedala_table.csv / .md (paper
+001's Table 2 layout: its methods and columns, with ours at K = 20 beside its numbers).
 """
 
 from __future__ import annotations
@@ -47,8 +55,42 @@ import numpy as np
 
 from experiments import common
 
-ALGORITHMS = ("fedavg", "local", "fedper", "lg_fedavg", "ditto", "apfl", "fedrep",
-              "perfedavg", "pfedme", "fedrod", "fedala", "ktpfl", "ktpfl_mixed")
+ALGORITHMS = ("fedavg", "fedprox", "fedavg_c", "fedprox_c", "local", "fedper", "lg_fedavg",
+              "ditto", "apfl", "fedrep", "perfedavg", "pfedme", "fedrod", "fedala", "fedamp",
+              "fedphp", "fedfomo", "apple", "fedmtl", "partialfed", "fedproto", "fd", "fedgh",
+              "fedbabu", "fedlc", "fedntd", "fedgc", "fedpcl", "fedgen", "fml", "fedkd",
+              "feddbe", "fedcac", "fedas", "fedcross", "fedcp", "gpfl", "fedpac", "fedda",
+              "ktpfl", "ktpfl_mixed")
+# FedAvg-C / FedProx-C: FedAvg / FedProx whose global model each client fine-tunes for
+# this many epochs of its own data before it is scored (`eval.finetune_epochs`).
+FINETUNE_EPOCHS = 1.0
+# Paper 001's FedALA table (Table 2: test accuracy %, mean over its runs): its methods in
+# its order, its columns, and its numbers, beside which ours on Fashion-MNIST go.
+PAPER_METHODS = (("FedAvg", "fedavg"), ("FedProx", "fedprox"), ("FedAvg-C", "fedavg_c"),
+                 ("FedProx-C", "fedprox_c"), ("Per-FedAvg", "perfedavg"),
+                 ("FedRep", "fedrep"), ("pFedMe", "pfedme"), ("Ditto", "ditto"),
+                 ("FedAMP", "fedamp"), ("FedPHP", "fedphp"), ("FedFomo", "fedfomo"),
+                 ("APPLE", "apple"), ("PartialFed", "partialfed"), ("FedALA", "fedala"))
+PAPER_COLUMNS = ("pat MNIST", "pat Cifar10", "pat Cifar100", "dir Cifar10", "dir Cifar100",
+                 "dir TINY", "dir TINY*", "dir AG News")
+PAPER_TABLE = {
+    "FedAvg": (97.93, 55.09, 25.98, 59.16, 31.89, 19.46, 19.45, 79.57),
+    "FedProx": (98.01, 55.06, 25.94, 59.21, 31.99, 19.37, 19.27, 79.35),
+    "FedAvg-C": (99.79, 92.13, 66.17, 90.34, 51.80, 30.67, 36.94, 95.89),
+    "FedProx-C": (99.80, 92.12, 66.07, 90.33, 51.84, 30.77, 38.78, 96.10),
+    "Per-FedAvg": (99.63, 89.63, 56.80, 87.74, 44.28, 25.07, 21.81, 93.27),
+    "FedRep": (99.77, 91.93, 67.56, 90.40, 52.39, 37.27, 39.95, 96.28),
+    "pFedMe": (99.75, 90.11, 58.20, 88.09, 47.34, 26.93, 33.44, 91.41),
+    "Ditto": (99.81, 92.39, 67.23, 90.59, 52.87, 32.15, 35.92, 95.45),
+    "FedAMP": (99.76, 90.79, 64.34, 88.70, 47.69, 27.99, 29.11, 94.18),
+    "FedPHP": (99.73, 90.01, 63.09, 88.92, 50.52, 35.69, 29.90, 94.38),
+    "FedFomo": (99.83, 91.85, 62.49, 88.06, 45.39, 26.33, 26.84, 95.84),
+    "APPLE": (99.75, 90.97, 65.80, 89.37, 53.22, 35.04, 39.93, 95.63),
+    "PartialFed": (99.86, 89.60, 61.39, 87.38, 48.81, 35.26, 37.50, 85.20),
+    "FedALA": (99.88, 92.44, 67.83, 90.67, 55.92, 40.54, 41.94, 96.52),
+}
+# The FedALA table's federation: 20 clients, all of them every round.
+TABLE_CLIENTS = 20
 PUBLIC_SIZE = 1000  # KT-pFL's unlabelled public set, held out of the training set
 # name -> partition overrides
 SKEWS: Dict[str, Dict[str, Any]] = {
@@ -66,6 +108,7 @@ CPU_MIXED = "mlp(hidden=(200, 200)); mlp(hidden=(100,)); cnn(channels=(8, 16), k
             "fc_hidden=(64,))"  # the CNN: 7.6 ms a step of B = 64 on 2 cores (16-32-128: 25)
 PAPER_MIXED = "mlp; mlp(hidden=(512,)); cnn"
 MIXED_LR = 0.01  # ktpfl_mixed's learning rate (the others': 0.05)
+APPLE_LR = 0.005  # APPLE's (PFLlib's default rate): its cores step at lr x K
 LAST = 3  # evaluations averaged per run
 METRICS = ("pfl_accuracy", "client_accuracy_mean", "client_accuracy_std",
            "client_accuracy_worst10", "test_accuracy")
@@ -89,6 +132,10 @@ PRESETS = MappingProxyType({
     "cpu": Settings(hidden=CPU_HIDDEN, mixed=CPU_MIXED),
     "default": Settings(hidden=CPU_HIDDEN, mixed=CPU_MIXED),
     "paper": Settings(rounds=2000, seeds=(0, 1, 2)),
+    # Paper 001's FedALA table on Fashion-MNIST: its 14 methods, K = 20, both skews.
+    "fedala_table": Settings(hidden=CPU_HIDDEN, mixed=CPU_MIXED,
+                             algorithms=tuple(a for _, a in PAPER_METHODS),
+                             clients=(TABLE_CLIENTS,)),
     "smoke": Settings(rounds=2, algorithms=("fedavg", "fedper"), skews=("pat",),
                       clients=(6,), dataset="synthetic", hidden=(16, 16, 16)),
 })
@@ -106,6 +153,11 @@ def run_config(s: Settings, skew: str, k: int, algorithm: str, seed: int):
     cfg = default_config()
     mixed = algorithm == "ktpfl_mixed"
     algorithm = "ktpfl" if mixed else algorithm
+    if algorithm in ("fedavg_c", "fedprox_c"):
+        cfg.eval.finetune_epochs = FINETUNE_EPOCHS
+        algorithm = algorithm[:-2]
+    if algorithm == "fedbabu":  # its frozen-head global model, fine-tuned as FedAvg-C's
+        cfg.eval.finetune_epochs = FINETUNE_EPOCHS
     cfg.seed, cfg.rounds, cfg.algorithm = seed, s.rounds, algorithm
     cfg.dataset.name = s.dataset
     cfg.local.epochs = float(s.epochs)
@@ -123,6 +175,16 @@ def run_config(s: Settings, skew: str, k: int, algorithm: str, seed: int):
     if algorithm == "fedala":  # ALA's pass over 80% of the data, then E epochs
         cfg.fedala.ala_epochs = 0.8
         cfg.local.epochs = float(s.epochs) + 0.8
+    if algorithm == "partialfed":  # its strategy pass over half the data, then E epochs
+        cfg.local.epochs = float(s.epochs) + cfg.partialfed.strategy_epochs
+    if algorithm == "fedfomo":  # scores what it receives over a fifth, then E epochs
+        cfg.local.epochs = float(s.epochs) + cfg.fedfomo.val_epochs
+    if algorithm == "fedproto":  # E epochs, then a pass collecting its class means
+        cfg.local.epochs = float(s.epochs) + cfg.fedproto.collect_epochs
+    if algorithm in ("fedgh", "fedpcl"):  # E epochs, then a pass collecting prototypes
+        cfg.local.epochs = float(s.epochs) + cfg[algorithm].collect_epochs
+    if algorithm == "fedas":  # its alignment and Fisher passes around E epochs
+        cfg.local.epochs = float(s.epochs) + cfg.fedas.align_epochs + cfg.fedas.fim_epochs
     if algorithm == "ktpfl":  # E epochs, then as many distillation steps as one epoch
         cfg.dataset.public_size = PUBLIC_SIZE
         cfg.ktpfl.distill_epochs = 1.0
@@ -132,6 +194,10 @@ def run_config(s: Settings, skew: str, k: int, algorithm: str, seed: int):
             # At lr 0.05 the mixed federation's weights grew (max |w| 19 in the 2NN, 42 in
             # the CNN) until its training loss hit 1096 in round 7 (pat, K = 20).
             cfg.optimizer.lr = MIXED_LR
+    if algorithm == "apple":
+        # APPLE steps its core models at lr x K (PFLlib's rule): at lr 0.05 that is 1.0 at
+        # K = 20, and its training loss was NaN by round 6 (pat_K20 and dir_K20).
+        cfg.optimizer.lr = APPLE_LR
     if algorithm == "perfedavg":  # each step halves a batch of 2B
         cfg.local.batch_size = 2 * cfg.local.batch_size
     return apply_overrides(cfg, {"partition": SKEWS[skew]})
@@ -171,6 +237,10 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
     common.write_csv(ctx.path("personalized.csv"), table)
     common.write_json(ctx.path("personalized.json"), {"settings": s, "runs": rows,
                                                       "table": table})
+    layout = fedala_table(table)
+    common.write_csv(ctx.path("fedala_table.csv"), layout)
+    with open(ctx.path("fedala_table.md"), "w") as f:
+        f.write(fedala_markdown(layout, s.dataset))
     plot(table, ctx.path("personalized.png"), s)
     plot_curves(keys, [curve for _, _, curve in results], ctx.path("personalized_curves.png"),
                 s)
@@ -203,6 +273,40 @@ def summarize(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         rec["cost_vs_fedavg"] = (rec["seconds_per_round"] / base["seconds_per_round"]
                                  if base else float("nan"))
     return out
+
+
+def fedala_table(table: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Paper 001's FedALA table (Table 2) laid out with our columns: per method, its PFLlib
+    aggregate accuracy (%) at K = 20 under each skew here (on this run's dataset; 'not
+    run' where this run has none), then each of the paper's columns with the paper's
+    number and ours 'not run' (their datasets are not on this machine)."""
+    rows = []
+    for name, key in PAPER_METHODS:
+        row: Dict[str, Any] = {"method": name, "algorithm": key}
+        for skew in SKEWS:
+            rec = next((r for r in table if r["algorithm"] == key and
+                        r["setting"] == setting_name(skew, TABLE_CLIENTS)), None)
+            row[f"{skew} here"] = ("not run" if rec is None else "diverged"
+                                   if not np.isfinite(rec["pfl_accuracy"]) else
+                                   f"{100 * rec['pfl_accuracy']:.2f}")
+        for column, value in zip(PAPER_COLUMNS, PAPER_TABLE[name]):
+            row[f"{column} paper"] = value
+            row[f"{column} here"] = "not run"
+        rows.append(row)
+    return rows
+
+
+def fedala_markdown(rows: Sequence[Dict[str, Any]], dataset: str) -> str:
+    """`fedala_table`'s rows as a Markdown table: our columns (on `dataset`), then the
+    paper's as 'paper number / not run'."""
+    head = (["method"] + [f"{skew} {dataset} (here)" for skew in SKEWS] +
+            [f"{c} (paper / here)" for c in PAPER_COLUMNS])
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [r["method"]] + [str(r[f"{skew} here"]) for skew in SKEWS] + [
+            f"{r[f'{c} paper']:.2f} / {r[f'{c} here']}" for c in PAPER_COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot(table: Sequence[Dict[str, Any]], path: str, s: Settings) -> str:

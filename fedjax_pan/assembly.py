@@ -15,14 +15,16 @@ import numpy as np
 
 from fedjax_pan import algorithms, models, permutation, privacy, schema
 from fedjax_pan import data as data_lib
-from fedjax_pan.algorithms import attacks
+from fedjax_pan.algorithms import attacks, finetune
 from fedjax_pan.algorithms.attacks import add_pattern
 from fedjax_pan.algorithms.shuffle import with_shuffling
 from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, clients_per_round,
                                count_compiles, make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.evaluation import make_client_evaluator
 from fedjax_pan.engine.protocol import Round, placeholder_context
+from fedjax_pan.engine import Groups
 from fedjax_pan.engine.services import Services
+from fedjax_pan.engine.simulation import Tuning
 from fedjax_pan.engine.timing import Stragglers
 from fedjax_pan.errors import ConfigError, require
 
@@ -256,8 +258,11 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
             model, cfg, algorithms.registry.client_tx(cfg), services,
             **({"public": public} if entry.public else {}),
             **{name: needs[name] for name in entry.driver_needs})
+        if cfg.model.architectures:
+            simulation = _groups(cfg, client_data, services, public, public_labels)
         algorithm = None if simulation is not None else algorithms.from_config(
-            model, cfg, public=public, public_labels=public_labels)
+            model, cfg, public=public, public_labels=public_labels,
+            input_shape=client_data.images.shape[1:])
         if algorithm is not None:
             # Options checked against the model's layers fail here, not in round 1.
             jax.eval_shape(lambda v: algorithm.client_state_init(algorithm.server_init(v)),
@@ -279,7 +284,8 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                 ("straggler.max_delay", "0", cfg.straggler.max_delay == 0),
                 ("attack.kind", "'none'", cfg.attack.kind == "none" or attacks_handled),
                 *[(key, repr(off), _setting(cfg, key) == off) for key, off in COMMUNICATION],
-                ("sampling", "'uniform'", cfg.sampling == "uniform")):
+                ("sampling", "'uniform'", cfg.sampling == "uniform"),
+                ("eval.finetune_epochs", "0", cfg.eval.finetune_epochs == 0)):
             require(off, f"config.{key} is not available with algorithm {cfg.algorithm!r} "
                     f"as configured (its rounds run on its own driver): set {key}={default}")
         return simulation
@@ -324,7 +330,49 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
     stragglers = Stragglers(st.max_delay, st.policy, st.delays, st.slow_share, st.wait_share)
     return Simulation(algorithm, client_data, work, executor, cfg.participation,
                       cfg.aggregation.weights, cfg.seed, stragglers=stragglers,
-                      sampling=cfg.sampling, states_in=cfg.execution.client_states)
+                      sampling=cfg.sampling, states_in=cfg.execution.client_states,
+                      tuning=_tuning(cfg, model, variables, client_data, work))
+
+
+def _groups(cfg: ml_collections.ConfigDict, client_data: ClientData, services: Services,
+            public: Any, public_labels: Any) -> Groups:
+    """Clients of the networks `cfg.model.architectures` lists, client n running the
+    (n mod A)-th (PFLlib's heterogeneous clients), each network's clients a group
+    (`engine.groups`). Network 0 starts from the seed's key as the config's model does,
+    network a > 0 from it folded with a; PANs as the config sets them."""
+    specs = models.spec_texts(cfg.model.architectures)
+    n = client_data.num_clients
+    if n < len(specs):
+        raise ValueError(f"model.architectures lists {len(specs)} networks for {n} clients: "
+                         f"every network needs a client")
+    num_classes = int(client_data.label_counts.shape[1])
+    pan = None if not cfg.pan.amplitude else cfg.pan.to_dict()
+    nets = [models.from_spec(s, num_classes, pan=pan, norm=cfg.model.norm) for s in specs]
+    key = jax.random.PRNGKey(cfg.seed)
+    initial = [models.init(net, key if a == 0 else jax.random.fold_in(key, a),
+                           tuple(client_data.images.shape[1:])) for a, net in enumerate(nets)]
+    built = [algorithms.from_config(net, cfg, public=public, public_labels=public_labels,
+                                    input_shape=client_data.images.shape[1:])
+             for net in nets]
+    return Groups(nets, initial, np.arange(n) % len(nets), built, services,
+                  cfg.aggregation.weights)
+
+
+def _tuning(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
+            client_data: ClientData, work: LocalWork) -> Optional[Tuning]:
+    """`cfg.eval.finetune_epochs` epochs of local fine-tuning before each evaluation
+    (None at 0), executed as training is."""
+    epochs = cfg.eval.finetune_epochs
+    if not epochs:
+        return None
+    tune_work = dataclasses.replace(work, epochs=float(epochs), mode="epochs",
+                                    local_steps=None)
+    algorithm = finetune.fine_tuning(model, algorithms.registry.client_tx(cfg))
+    executor = make_executor(resolve_strategy(cfg.execution.strategy, variables), algorithm,
+                             tune_work, client_data, variables,
+                             clients_per_round(cfg.participation, client_data.num_clients),
+                             cfg.execution.block_size)
+    return Tuning(algorithm, tune_work, executor)
 
 
 # The settings that transform what clients send, each with its value when off.

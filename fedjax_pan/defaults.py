@@ -29,8 +29,11 @@ def default_config() -> ml_collections.ConfigDict:
                                            "train_limit": placeholder(int),
                                            "public_size": 0,
                                            "augment": "none", "normalization": "standard"})
+    # architectures: '' (every client runs the model above) or model specs separated by
+    # ';', client n running the (n mod A)-th (algorithms whose clients may differ, e.g.
+    # fedproto; engine/groups.py).
     c.model = ml_collections.ConfigDict({"name": "mlp", "norm": placeholder(str),
-                                         "options": {}})
+                                         "options": {}, "architectures": ""})
     c.pan = ml_collections.ConfigDict({"kind": "mul", "period": 1.0, "amplitude": 0.1,
                                        "ratio": 1.0})
     c.partition = ml_collections.ConfigDict({
@@ -102,7 +105,10 @@ def default_config() -> ml_collections.ConfigDict:
                                              "block_size": placeholder(int),
                                              "client_states": "auto"})
     # local: also log each client's expected accuracy on a test set with its label mix.
-    c.eval = ml_collections.ConfigDict({"every": 1, "batch_size": 1000, "local": False})
+    # finetune_epochs > 0: before each evaluation every client trains the model it is
+    # scored on for this many epochs of its own data (FedAvg-C; algorithms/finetune.py).
+    c.eval = ml_collections.ConfigDict({"every": 1, "batch_size": 1000, "local": False,
+                                        "finetune_epochs": 0.0})
     # Alg. 2: shuffle hidden neurons during local training, N_sf times per round expected.
     c.shuffle = ml_collections.ConfigDict({"n_sf": 0.0, "p_sf": 0.1, "window": placeholder(float)})
     c.checkpoint_every = 10

@@ -68,6 +68,7 @@ RULES: Dict[str, Rule] = {
     "dataset.normalization": one_of(NORMALIZATIONS),
     "model.name": one_of(models.NAMES),
     "model.norm": Rule(_norm, optional=True),
+    "model.architectures": Rule(models.specs_error),
     "pan.kind": one_of(KINDS),
     "pan.period": between(0, 1e4),
     "pan.amplitude": between(0, 10),
@@ -143,6 +144,7 @@ RULES: Dict[str, Rule] = {
     "eval.every": between(1, 1e6, integer=True),
     "eval.batch_size": between(1, 1e6, integer=True),
     "eval.local": Rule(boolean),
+    "eval.finetune_epochs": between(0, 1000),
     "shuffle.n_sf": between(0, 1000),
     "shuffle.p_sf": between(0, 1),
     "shuffle.window": between(0, 1, lo_open=True, optional=True),
@@ -233,6 +235,15 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
             f"config.partition.test_fraction must be > 0 for algorithm {cfg.algorithm!r}: it "
             f"trains a model per client, scored on each client's own test part (PFLlib: "
             f"--config.partition.test_fraction=0.25), got {p.test_fraction!r}")
+    require(not cfg.eval.finetune_epochs or p.test_fraction > 0,
+            f"config.partition.test_fraction must be > 0 with eval.finetune_epochs = "
+            f"{cfg.eval.finetune_epochs!r}: the fine-tuned models are scored on each "
+            f"client's own test part, got {p.test_fraction!r}")
+    several = sorted(name for name, e in ALGORITHMS.items() if e.heterogeneous)
+    require(not cfg.model.architectures or entry.heterogeneous,
+            f"config.model.architectures runs clients of several networks, which algorithm "
+            f"{cfg.algorithm!r} cannot (its clients send what depends on their network; "
+            f"those that can: {', '.join(several)}); got {cfg.model.architectures!r}")
     if entry.check is not None:
         try:
             entry.check(cfg)

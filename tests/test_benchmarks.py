@@ -94,6 +94,9 @@ def test_every_section_is_present(quick):
     drivers = results["algorithms"]["drivers"]
     assert set(algos) | set(drivers["algorithms"]) == set(ALGORITHMS)
     assert algos["fedavg"]["vs_fedavg"] == 1.0
+    tuned = results["algorithms"]["fine_tuned"]
+    assert tuned["seconds"] > 0 and tuned["vs_fedavg_round"] == pytest.approx(
+        tuned["seconds"] / algos["fedavg"]["seconds_per_round"])
     shuffled = results["algorithms"]["shuffled"]
     assert set(shuffled) == {"1", "5"}
     for a in shuffled.values():

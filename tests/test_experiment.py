@@ -337,18 +337,35 @@ def test_a_refused_workdir_costs_no_data_loading(tmp_path, monkeypatch):
 # One of each kind of client state: params-shaped (Scaffold), flat partial dicts (FedPer),
 # full variables (Ditto), a head (FedRoD), none but a personal model adapted on
 # round-dependent batches (Per-FedAvg).
-@pytest.mark.parametrize("algorithm", [
-    "scaffold", *(pytest.param(a, marks=pytest.mark.slow)
-                  for a in ("fedper", "ditto", "perfedavg", "fedrod"))])
-def test_stateful_algorithms_resume_exactly(tmp_path, algorithm):
+# The later personalised algorithms keep their states in each place in turn (a server
+# holding every client's model, FedAMP's, included).
+@pytest.mark.parametrize("algorithm,place", [
+    ("scaffold", "auto"), *(pytest.param(a, p, marks=pytest.mark.slow) for a, p in (
+        ("fedper", "auto"), ("ditto", "auto"), ("perfedavg", "auto"), ("fedrod", "auto"),
+        ("fedamp", "disk"), ("fedphp", "host"), ("fedmtl", "device"),
+        ("partialfed", "disk"), ("fedfomo", "host"), ("apple", "device"),
+        ("fedproto", "disk"), ("fd", "host"), ("fedgh", "device"), ("fedpcl", "disk"),
+        ("fedgc", "host"), ("fml", "disk"), ("fedkd", "host"), ("feddbe", "device"),
+        ("fedcac", "disk"), ("fedas", "host"), ("fedcross", "device"), ("fedgen", "auto"),
+        ("fedbabu", "auto"), ("fedntd", "auto"), ("fedlc", "auto"), ("fedcp", "auto"),
+        ("gpfl", "auto"), ("fedpac", "disk"), ("fedda", "host")))])
+def test_stateful_algorithms_resume_exactly(tmp_path, monkeypatch, algorithm, place):
     """Per-client state (control variates, previous models, gradients, personal models)
     goes through the checkpoint: 2 rounds + resume to 3 equals 3 rounds in one go, the
-    clients' own-data metrics included."""
+    clients' own-data metrics included. (A run of 3 stopped by Ctrl-C before its third
+    round: FedPHP's moving-average schedule depends on the run's length.)"""
+    import signal as signal_lib
+    from conftest import signal_on_call
+    from fedjax_pan.engine import Simulation
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     cfg = dict(algorithm=algorithm, rounds=3, checkpoint_every=2, local__epochs=2.0,
-               partition__test_fraction=0.25)
+               partition__test_fraction=0.25, execution__client_states=place)
     experiment.train(config(**cfg), full, progress=False)
-    experiment.train(config(**{**cfg, "rounds": 2}), part, progress=False)
+    signal_on_call(monkeypatch, Simulation, "round", signal_lib.SIGINT, 3)
+    with pytest.raises(experiment.Interrupted):
+        experiment.train(config(**cfg), part, progress=False)
+    monkeypatch.undo()
+    assert len(metrics(part)) == 2
     experiment.train(config(**cfg), part, resume=True, progress=False)
     assert metrics(part) == metrics(full) and len(metrics(full)) == 3
     assert all("pfl_accuracy" in m for m in metrics(full))

@@ -1,5 +1,5 @@
 """Every algorithm a config can name builds; every personalised one (per-client state or
-a personal model) gives the same numbers under the loop and vmap executors as under the
+a personal model) gives the same numbers under the loop, vmap and sharded executors as under the
 slow sequential reference, and evaluates the same personal models either way."""
 
 import jax
@@ -12,7 +12,10 @@ from fedjax_pan.algorithms import registry
 from fedjax_pan.defaults import default_config
 
 PERSONALISED = ["local", "fedper", "lg_fedavg", "fedbn", "fedrep", "ditto", "apfl", "fedala",
-                "perfedavg", "perfedavg_hf", "pfedme", "fedrod", "ktpfl", "pfedeff"]
+                "perfedavg", "perfedavg_hf", "pfedme", "fedrod", "ktpfl", "pfedeff",
+                "fedamp", "fedphp", "fedmtl", "partialfed", "fedfomo", "apple", "fedproto",
+                "fd", "fedgh", "fedgc", "fedpcl", "fml", "fedkd", "feddbe", "fedcac", "fedas",
+                "fedcross", "fedcp", "gpfl", "fedpac", "fedda"]
 PUBLIC = jnp.asarray(np.random.default_rng(0).normal(size=(12, 6, 6, 1)), jnp.float32)
 
 
@@ -24,7 +27,7 @@ def _build(name, model):
     cfg.local.epochs, cfg.local.batch_size = PFL_WORK.epochs, PFL_WORK.batch_size
     cfg.fedrep.head_epochs = cfg.ktpfl.distill_epochs = 0.5
     cfg.partition.num_clients = 6
-    return registry.from_config(model, cfg, public=PUBLIC)
+    return registry.from_config(model, cfg, public=PUBLIC, input_shape=(6, 6, 1))
 
 
 @pytest.mark.slow
@@ -34,8 +37,9 @@ def test_personalised_algorithms_loop_vmap_and_reference_agree(name):
     algo = _build(name, model)
     sim, loop, _ = pfl_rounds(algo, cd, variables, "loop")
     _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap")
+    _, sharded, _ = pfl_rounds(algo, cd, variables, "sharded")
     ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size)
-    for got in (loop[-1], vmap[-1]):
+    for got in (loop[-1], vmap[-1], sharded[-1]):
         assert max_rel_err(got.server, ref.server) < 1e-5
         if ref.client_states is not None:
             assert max_rel_err(got.client_states, ref.client_states) < 1e-5
@@ -64,7 +68,7 @@ def test_every_algorithm_builds_from_the_default_config(name):
     if registry.ALGORITHMS[name].public:
         with pytest.raises(ValueError, match="dataset.public_size > 0"):
             registry.from_config(model, cfg)
-    algo = registry.from_config(model, cfg, public=PUBLIC)
+    algo = registry.from_config(model, cfg, public=PUBLIC, input_shape=(6, 6, 1))
     server = algo.server_init(variables)
     algo.client_state_init(server)
     assert set(algo.eval_variables(server)) >= {"params"}

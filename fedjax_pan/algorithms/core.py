@@ -49,6 +49,12 @@ class AlgorithmEntry(NamedTuple):
     # public set's labels), 'client_evaluate' (each client's own test part scorer, None
     # without partition.test_fraction).
     driver_needs: Tuple[str, ...] = ()
+    # True: what its clients send does not depend on their network, so clients may run
+    # several (`model.architectures`; `engine.groups.Groups` runs them).
+    heterogeneous: bool = False
+    # True: `build` also takes `input_shape=` (H, W, C) of one example (an algorithm that
+    # builds a network of its own beside the client's, e.g. a shared model).
+    input_shape: bool = False
 
 
 def no_client_state(server_state: PyTree) -> None:

@@ -67,24 +67,12 @@ from fedjax_pan.rules import Rule, between, boolean, one_of
 PyTree = Any
 
 
-def _spec_texts(text: str) -> List[str]:
-    """The model specs written in `text`, separated by ';' ('': none)."""
-    specs = [s.strip() for s in str(text).split(";")]
-    return [] if specs == [""] else specs
+_spec_texts = models.spec_texts
 
 
 def parse_architectures(text: str) -> List[Tuple[str, Dict[str, Any]]]:
     """The model specs (`models.parse_spec`) of `text`, separated by ';' ('': none)."""
     return [models.parse_spec(s) for s in _spec_texts(text)]
-
-
-def _architectures_rule(value: Any) -> Optional[str]:
-    try:
-        for spec in _spec_texts(value):
-            models.from_spec(spec, 10)  # the options checked before any data loads
-    except (TypeError, ValueError) as e:
-        return f"'' or model specs separated by ';' ({e})"
-    return None
 
 
 COEF_UPDATES = ("kl", "authors")  # Eq. 7's step on the KL objective, or the released code's
@@ -96,7 +84,7 @@ OPTIONS = {"temperature": 1.0, "lam": 1.0, "rho": 0.1, "coef_lr": 0.1, "distill_
 RULES = {"temperature": between(0.01, 100), "lam": between(0, 1e4), "rho": between(0, 1e4),
          "coef_lr": between(0, 100), "distill_epochs": between(0, 1000, lo_open=True),
          "simplex": Rule(boolean), "coef_update": one_of(COEF_UPDATES),
-         "architectures": Rule(_architectures_rule), "order": one_of(ORDERS)}
+         "architectures": Rule(models.specs_error), "order": one_of(ORDERS)}
 EPS = 1e-12  # inside logs of probabilities
 PUBLIC_SIZE = 1000  # unlabelled public examples held out by default
 

@@ -16,10 +16,34 @@ import optax
 from fedjax_pan.algorithms import core
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.apfl import ENTRY as APFL
+from fedjax_pan.algorithms.apple import ENTRY as APPLE
 from fedjax_pan.algorithms.ditto import ENTRY as DITTO
 from fedjax_pan.algorithms.fed2 import ENTRY as FED2
 from fedjax_pan.algorithms.fedala import ENTRY as FEDALA
+from fedjax_pan.algorithms.fedcp import ENTRY as FEDCP
+from fedjax_pan.algorithms.fedda import ENTRY as FEDDA
+from fedjax_pan.algorithms.fedpac import ENTRY as FEDPAC
+from fedjax_pan.algorithms.gpfl import ENTRY as GPFL
+from fedjax_pan.algorithms.feddbe import ENTRY as FEDDBE
+from fedjax_pan.algorithms.fedcac import ENTRY as FEDCAC
+from fedjax_pan.algorithms.fedas import ENTRY as FEDAS
+from fedjax_pan.algorithms.fedcross import ENTRY as FEDCROSS
+from fedjax_pan.algorithms.fedbabu import ENTRY as FEDBABU
+from fedjax_pan.algorithms.fedgc import ENTRY as FEDGC
+from fedjax_pan.algorithms.fedlc import ENTRY as FEDLC
+from fedjax_pan.algorithms.fedntd import ENTRY as FEDNTD
+from fedjax_pan.algorithms.fedfomo import ENTRY as FEDFOMO
+from fedjax_pan.algorithms.fedamp import ENTRY as FEDAMP
+from fedjax_pan.algorithms.fedphp import ENTRY as FEDPHP
+from fedjax_pan.algorithms.fedproto import ENTRY as FEDPROTO
+from fedjax_pan.algorithms.fd import ENTRY as FD
+from fedjax_pan.algorithms.fml import ENTRY as FML
+from fedjax_pan.algorithms.fedkd import ENTRY as FEDKD
+from fedjax_pan.algorithms.fedgh import ENTRY as FEDGH
+from fedjax_pan.algorithms.fedpcl import ENTRY as FEDPCL
+from fedjax_pan.algorithms.fedgen import ENTRY as FEDGEN
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.algorithms.fedmtl import ENTRY as FEDMTL
 from fedjax_pan.algorithms.feddyn import ENTRY as FEDDYN
 from fedjax_pan.algorithms.fedma import ENTRY as FEDMA
 from fedjax_pan.algorithms.flchain import ENTRY as FLCHAIN
@@ -29,6 +53,7 @@ from fedjax_pan.algorithms.fedrod import ENTRY as FEDROD
 from fedjax_pan.algorithms.ktpfl import ENTRY as KTPFL
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.moon import ENTRY as MOON
+from fedjax_pan.algorithms.partialfed import ENTRY as PARTIALFED
 from fedjax_pan.algorithms.perfedavg import ENTRY as PERFEDAVG
 from fedjax_pan.algorithms.personal import ENTRIES as PERSONAL
 from fedjax_pan.algorithms.pfedeff import ENTRY as PFEDEFF
@@ -77,10 +102,35 @@ ALGORITHMS: Dict[str, AlgorithmEntry] = {
     "fedrep": FEDREP,
     "ditto": DITTO,
     "apfl": APFL,
+    "apple": APPLE,
     "perfedavg": PERFEDAVG,
     "pfedme": PFEDME,
     "fedrod": FEDROD,
     "fedala": FEDALA,
+    "fedcp": FEDCP,
+    "fedda": FEDDA,
+    "fedpac": FEDPAC,
+    "gpfl": GPFL,
+    "feddbe": FEDDBE,
+    "fedcac": FEDCAC,
+    "fedas": FEDAS,
+    "fedcross": FEDCROSS,
+    "fedbabu": FEDBABU,
+    "fedlc": FEDLC,
+    "fedntd": FEDNTD,
+    "fedgc": FEDGC,
+    "fedfomo": FEDFOMO,
+    "fedamp": FEDAMP,
+    "fedphp": FEDPHP,
+    "fedproto": FEDPROTO,
+    "fd": FD,
+    "fml": FML,
+    "fedkd": FEDKD,
+    "fedgh": FEDGH,
+    "fedpcl": FEDPCL,
+    "fedgen": FEDGEN,
+    "fedmtl": FEDMTL,
+    "partialfed": PARTIALFED,
     "pfedeff": PFEDEFF,
     "ktpfl": KTPFL,
     "siren": SIREN,
@@ -136,24 +186,30 @@ def public_size(cfg: Any, num_train: int) -> int:
     return min(default, num_train // 5)
 
 
-def from_config(model: nn.Module, cfg: Any, public: Any = None, public_labels: Any = None
-                ) -> FederatedAlgorithm:
+def from_config(model: nn.Module, cfg: Any, public: Any = None, public_labels: Any = None,
+                input_shape: Any = None) -> FederatedAlgorithm:
     """The algorithm `cfg.algorithm` for `model`, configured by `cfg`, with the
     aggregation rule it names (`attack_from_config` adds the attackers); `public`: the
     public images held out at the server (`public_labels` their labels: zeno and sageflow
-    score models on them)."""
+    score models on them); `input_shape`: one example's (H, W, C), for algorithms that
+    build a network of their own."""
     if cfg.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {cfg.algorithm!r}; available: {sorted(ALGORITHMS)}")
     server = cfg.server
     server_tx = server_optimizer(server.optimizer, server.lr, server.momentum)
     entry = ALGORITHMS[cfg.algorithm]
+    extra: Dict[str, Any] = {}
     if entry.public:
         if public is None or len(public) == 0:
             raise ValueError(f"{cfg.algorithm} distils on unlabelled public data: set "
                              f"dataset.public_size > 0 (a held-out slice of the training set)")
-        algorithm = entry.build(model, cfg, client_tx(cfg), server_tx, public=public)
-    else:
-        algorithm = entry.build(model, cfg, client_tx(cfg), server_tx)
+        extra["public"] = public
+    if entry.input_shape:
+        if input_shape is None:
+            raise ValueError(f"{cfg.algorithm} builds a network of its own: it needs the "
+                             f"input shape")
+        extra["input_shape"] = tuple(input_shape)
+    algorithm = entry.build(model, cfg, client_tx(cfg), server_tx, **extra)
     agg = cfg.aggregation
     if agg.rule != "mean":
         if algorithm.aggregator is not core.weighted_mean:

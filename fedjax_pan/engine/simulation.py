@@ -34,7 +34,7 @@ _UNTRAINED = {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
               "upload_bytes": 0.0, "clients": 0}
 SAMPLINGS = ("uniform", "poisson")
 _PERSONAL_CHUNK = 256  # clients whose own models are evaluated at once (states on disk)
-_DATA_STREAM, _ALGO_STREAM, _ADAPT_STREAM = 1, 2, 3
+_DATA_STREAM, _ALGO_STREAM, _ADAPT_STREAM, _TUNE_STREAM = 1, 2, 3, 4
 
 
 def untrained() -> Dict[str, Any]:
@@ -99,6 +99,21 @@ def poisson_clients(seed: int, num_clients: int, rate: float, round_index: int
 
 
 @dataclasses.dataclass
+class Tuning:
+    """Local training every client gives the model it is evaluated on before its own test
+    part scores it (paper 001's FedAvg-C): `algorithm` takes that model as its client
+    state and returns the tuned one as its new state (`algorithms.finetune`), run by
+    `executor` for `work`'s local steps."""
+
+    algorithm: FederatedAlgorithm
+    work: LocalWork
+    executor: Any
+
+    def __post_init__(self):
+        self.server = self.algorithm.server_init(None)
+
+
+@dataclasses.dataclass
 class Simulation:
     algorithm: FederatedAlgorithm
     data: ClientData
@@ -115,6 +130,8 @@ class Simulation:
     # 'uniform': round(R K) clients a round without replacement; 'poisson': each client
     # with probability R (`num_sampled` is then the expected count, rounded).
     sampling: str = "uniform"
+    # Fine-tuning before every evaluation on the clients' own data; None: none.
+    tuning: Optional[Tuning] = None
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -209,21 +226,45 @@ class Simulation:
                 for ids, chunk in states.chunks(_PERSONAL_CHUNK))
 
     def _personal_models(self) -> bool:
-        return self._adapt is not None or (
+        return self.tuning is not None or self._adapt is not None or (
             getattr(self.algorithm, "personal_variables", None) is not None)
 
     def _personal(self, state: SimState, states: PyTree, ids: np.ndarray) -> PyTree:
-        """Clients `ids`' own models from their stacked `states`."""
+        """Clients `ids`' own models from their stacked `states` (None: stateless), tuned
+        where the simulation fine-tunes."""
         if self._adapt is not None:
-            return self._adapt(state.server, states, self.adaptation_batches(state.round, ids))
-        return jax.vmap(self.algorithm.personal_variables, in_axes=(None, 0))(state.server,
-                                                                              states)
+            models = self._adapt(state.server, states,
+                                 self.adaptation_batches(state.round, ids))
+        elif getattr(self.algorithm, "personal_variables", None) is not None:
+            models = jax.vmap(self.algorithm.personal_variables, in_axes=(None, 0))(
+                state.server, states)
+        else:  # the global model, each client's copy to tune
+            models = jax.tree_util.tree_map(
+                lambda x: jnp.broadcast_to(x, (len(ids), *np.shape(x))),
+                self.algorithm.eval_variables(state.server))
+        return models if self.tuning is None else self.tuned(state, models, ids)
+
+    def tuned(self, state: SimState, models: PyTree, ids: np.ndarray) -> PyTree:
+        """Clients `ids`' `models` (stacked in `ids` order) after `tuning`'s local
+        training on their own data, on batch orders and keys of a stream of the seed of
+        their own (apart from training's), for the evaluation after `state.round`
+        rounds."""
+        t = self.tuning
+        ids = np.asarray(ids)
+        stream = jax.random.fold_in(self._data_key, _TUNE_STREAM)
+        rngs = jax.random.fold_in(self._algo_key, _TUNE_STREAM)
+        cohort = Cohort(ids, t.work.num_steps(self.data.sizes[ids]), np.ones(len(ids)),
+                        client_keys(stream, state.round, ids),
+                        client_keys(rngs, state.round, ids), models, state.round)
+        return t.executor.run(t.server, cohort).client_states
 
     def personal_evaluation(self, state: SimState) -> Optional[PyTree]:
         """Every client's own model, stacked on a leading client axis (K, ...), or None
-        when the algorithm evaluates its global model on each client's data."""
+        when the algorithm evaluates its global model on each client's data (and no
+        fine-tuning changes it first)."""
         states = state.client_states
-        if not self._personal_models() or (states is None and self._adapt is None):
+        if not self._personal_models() or (states is None and self._adapt is None
+                                           and self.tuning is None):
             return None
         if isinstance(states, store.DiskStates):
             states = states.gather(np.arange(states.num_clients))

@@ -188,6 +188,23 @@ def from_spec(spec: str, num_classes: int, pan: PANLike = None,
     return build(name, num_classes, pan=pan, norm=norm, **options)
 
 
+def spec_texts(text: str) -> List[str]:
+    """The model specs written in `text`, separated by ';' ('': none)."""
+    specs = [s.strip() for s in str(text).split(";")]
+    return [] if specs == [""] else specs
+
+
+def specs_error(text: Any) -> Optional[str]:
+    """None when `text` is '' or model specs separated by ';' that build, else what it
+    must be (a config rule: the options checked before any data loads)."""
+    try:
+        for spec in spec_texts(text):
+            from_spec(spec, 10)
+    except (TypeError, ValueError) as e:
+        return f"'' or model specs separated by ';' ({e})"
+    return None
+
+
 def layer_order(model: nn.Module, params: Mapping[str, Any]) -> List[str]:
     """The top-level parameter scopes of `params` in the order `model` calls them (params
     dicts come back from flax and jax sorted by name: on ResNet20 and MobileNet the

@@ -1,0 +1,140 @@
+"""FD, federated distillation (Jeong et al., "Communication-Efficient On-Device Machine
+Learning: Federated Distillation and Augmentation under Non-IID Private Data", 2018):
+clients share per-class average logits, not models.
+
+Every client keeps its own model. While it trains it records, for each class j, the mean
+of its model's logits on its examples of class j; the server averages each class's
+logits over the clients that report it (the global average logits G_j). A client trains on
+
+    CE(f(x), y) + lam * CE(softmax(G_y), softmax(f(x)))
+
+(rows of a class without global logits add no distillation term). As PFLlib's
+clientfd.py / serverfd.py: the means run over every local step's outputs of the round (all
+epochs, the model as it trains), the server's over the round's reporting clients (a class
+nobody reports drops out; weights 'num_examples': weighted by their sizes), and the
+distillation target comes from the global logits of the example's label. PFLlib passes
+the raw logits G_y as the cross-entropy's target "probabilities" (unnormalised, possibly
+negative); here the target is the distribution softmax(G_y), the paper's teacher output.
+Clients evaluate their own models; each downloads the (C, C) global logits. Outputs are
+(C, C) whatever the client's network, so clients may run several
+(`model.architectures`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, tree_bytes,
+                                        weighted_sum)
+from fedjax_pan.rules import between
+
+PyTree = Any
+OPTIONS = {"lam": 1.0}
+RULES = {"lam": between(0, 1e4)}
+SUMS, COUNTS = "class_logit_sums", "class_counts"  # carried out of a step, not logged
+
+
+class FdServer(NamedTuple):
+    params: PyTree  # this network's initial model (the global evaluation's)
+    model_state: PyTree
+    logits: jax.Array  # (C, C) global average logits by class
+    present: jax.Array  # (C,) 1.0 where some client reported the class last round
+    round: jax.Array
+
+
+class FdLocal(NamedTuple):
+    train: local_lib.LocalState
+    sums: jax.Array  # (C, C) sums of the logits by class over the round's steps
+    counts: jax.Array  # (C,)
+
+
+def distillation(logits: jax.Array, labels: jax.Array, mask: jax.Array, teacher: jax.Array,
+                 present: jax.Array) -> jax.Array:
+    """Sum over real rows whose label has global logits of CE(softmax(G_y), softmax(f))."""
+    target = jax.nn.softmax(teacher[labels], axis=-1)
+    per_row = -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    return jnp.sum(per_row * mask * present[labels])
+
+
+def fd(model: nn.Module, client_tx: optax.GradientTransformation, *, lam: float = 1.0
+       ) -> FederatedAlgorithm:
+    """FD with distillation weight `lam` (0: each client trains alone, as Local)."""
+    if lam < 0:
+        raise ValueError(f"FD needs lam >= 0, got {lam}")
+
+    def server_init(variables):
+        params, model_state = local_lib.split_variables(variables)
+        c = params["head"]["kernel"].shape[-1]  # the classes
+        return FdServer(params, model_state, jnp.zeros((c, c), jnp.float32),
+                        jnp.zeros((c,), jnp.float32), jnp.zeros((), jnp.int32))
+
+    def client_state_init(server):
+        return {"params": server.params, **server.model_state}
+
+    def client_init(server, client_state, ctx):
+        c = server.present.shape[0]
+        return FdLocal(local_lib.init_local(client_tx, client_state, ctx.round),
+                       jnp.zeros((c, c), jnp.float32), jnp.zeros((c,), jnp.float32))
+
+    def client_step(local, batch, server):
+        def distil(params, train, batch, logits):
+            del params, train
+            term = distillation(logits, batch["y"], batch["mask"], server.logits,
+                                server.present)
+            count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+            # The step's training-mode logits by class (PFLlib records `output`), carried
+            # out of the gradient pass beside its metrics.
+            onehot = jax.nn.one_hot(batch["y"], local.counts.shape[0]) * \
+                batch["mask"][:, None]
+            sums = onehot.T @ jax.lax.stop_gradient(logits).astype(jnp.float32)
+            return lam * term / count, {"distill_sum": term, SUMS: sums,
+                                        COUNTS: jnp.sum(onehot, 0)}
+        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch,
+                                            extra_loss=distil)
+        sums, counts = metrics.pop(SUMS), metrics.pop(COUNTS)
+        return FdLocal(train, local.sums + sums, local.counts + counts), metrics
+
+    def client_output(local, server):
+        del server
+        has = (local.counts > 0).astype(jnp.float32)
+        means = local.sums / jnp.maximum(local.counts, 1.0)[:, None]
+        return ({"logits": means * has[:, None], "has": has},
+                {"params": local.train.params, **local.train.model_state})
+
+    def server_update(server, sums, info):
+        del info
+        present = (sums["has"] > 0).astype(jnp.float32)
+        logits = sums["logits"] / jnp.maximum(sums["has"], 1e-12)[:, None]
+        return server._replace(logits=logits * present[:, None], present=present,
+                               round=server.round + 1)
+
+    def eval_variables(server):
+        return {"params": server.params, **server.model_state}
+
+    def personal_variables(server, client_state):
+        del server
+        return client_state
+
+    def download_bytes(server, client_ids, round_index):
+        del client_ids, round_index
+        return tree_bytes((server.logits, server.present))
+
+    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
+                              client_output, server_update, eval_variables,
+                              aggregator=weighted_sum, personal_variables=personal_variables,
+                              download_bytes=download_bytes)
+
+
+def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
+    del server_tx  # no model is averaged
+    return fd(model, client_tx, lam=cfg.fd.lam)
+
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, heterogeneous=True)

@@ -1,0 +1,199 @@
+"""FedGH (Yi et al., ACM MM 2023, "FedGH: Heterogeneous Federated Learning with
+Generalized Global Header"): clients of any network share one linear head, which the
+server trains on their class prototypes.
+
+Every client keeps its own model. At the start of a round its head is replaced by the
+global head; it trains its whole model on its own data (cross-entropy), then computes
+its class prototypes, the mean representation f(x) (the head's input) of each class it
+holds, with the trained model in one pass over its data. The server trains the global
+head on the reported (prototype, class) pairs, one epoch of minibatches of the clients'
+batch size in a shuffled order, by SGD at `server_lr`.
+
+As PFLlib's servergh.py / clientgh.py: every reported pair is one training example (no
+weighting by the clients' sizes), the pass uses `local.batch_size` and keeps a last
+partial batch, the server's rate is PFLlib's `server_learning_rate` (1.0), and a client
+is scored with its own body and the current global head (PFLlib evaluates after handing
+out the head). The global head starts as a draw from the seed (PFLlib: the first client's
+initial head), the same for every network. The prototype pass is the last round(share x steps) local steps of the
+round (`fedgh.collect_epochs` out of `local.epochs`, 1.0: one pass). The order of the
+server's pass is drawn from (seed, round). Outputs are (C, D) prototypes whatever the
+client's network, so clients may run several whose representations are equally wide
+(`model.architectures`). Each client downloads the head and uploads its prototypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
+                                        tree_bytes)
+from fedjax_pan.algorithms.fedproto import class_sums
+from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.rules import between
+
+PyTree = Any
+OPTIONS = {"server_lr": 1.0, "collect_epochs": 1.0}
+RULES = {"server_lr": between(0, 100, lo_open=True),
+         "collect_epochs": between(0, 1000, lo_open=True)}
+HEAD_STREAM = 0x6768  # the global head's key, folded into the seed's
+
+
+class GhServer(NamedTuple):
+    params: PyTree  # this network's initial model (the global evaluation's body)
+    model_state: PyTree
+    head: PyTree  # {'kernel': (D, C), 'bias': (C,)} the global head
+    round: jax.Array
+
+
+class GhLocal(NamedTuple):
+    train: local_lib.LocalState
+    collect_from: jax.Array
+    sums: jax.Array  # (C, D)
+    counts: jax.Array  # (C,)
+
+
+def train_head(head: PyTree, protos: jax.Array, has: jax.Array, lr: float, batch_size: int,
+               key: jax.Array) -> PyTree:
+    """One epoch of SGD on the mean cross-entropy of `head` over the reported pairs
+    (protos (M, C, D), has (M, C)): minibatches of `batch_size` in a random order of the
+    pairs, the last one partial."""
+    m, c, d = protos.shape
+    x, y = protos.reshape(m * c, d), jnp.tile(jnp.arange(c), m)
+    valid = has.reshape(m * c) > 0
+    # Valid pairs first, shuffled; the rest after them, in no batch of a valid pair.
+    order = jnp.argsort(jnp.where(valid, jax.random.uniform(key, (m * c,)), 2.0))
+    x, y, mask = x[order], y[order], valid[order].astype(jnp.float32)
+    batches = -(-m * c // batch_size)
+    pad = batches * batch_size - m * c
+    x = jnp.pad(x, ((0, pad), (0, 0))).reshape(batches, batch_size, d)
+    y = jnp.pad(y, (0, pad)).reshape(batches, batch_size)
+    mask = jnp.pad(mask, (0, pad)).reshape(batches, batch_size)
+
+    def step(h, batch):
+        bx, by, bm = batch
+
+        def loss(h):
+            logits = bx @ h["kernel"] + h["bias"]
+            ce = optax.softmax_cross_entropy_with_integer_labels(logits, by)
+            return jnp.sum(ce * bm) / jnp.maximum(jnp.sum(bm), 1.0)
+        g = jax.grad(loss)(h)
+        return jax.tree_util.tree_map(lambda p, gp: p - lr * gp, h, g), None
+    head, _ = jax.lax.scan(step, head, (x, y, mask))
+    return head
+
+
+def fedgh(model: nn.Module, client_tx: optax.GradientTransformation, collect_share: float,
+          *, server_lr: float = 1.0, batch_size: int = 64, seed: int = 0
+          ) -> FederatedAlgorithm:
+    """FedGH for a `model` that sows 'features' and ends in one linear head; the server
+    trains the head at `server_lr` in minibatches of `batch_size`."""
+    if not server_lr > 0 or batch_size < 1:
+        raise ValueError(f"FedGH needs server_lr > 0 and batch_size >= 1, got "
+                         f"server_lr={server_lr}, batch_size={batch_size}")
+    local_lib.check_share(collect_share, "FedGH's share of local steps collecting "
+                                         "prototypes")
+    net = _WithFeatures(model)
+
+    def head_of(params):
+        head = params.get(HEAD) if hasattr(params, "get") else None
+        if head is None or set(head) != {"kernel", "bias"} or head["kernel"].ndim != 2:
+            raise ValueError(f"FedGH needs a model whose output layer is one linear layer "
+                             f"named {HEAD!r} on its features")
+        return head
+
+    def server_init(variables):
+        params, model_state = local_lib.split_variables(variables)
+        d, c = head_of(params)["kernel"].shape
+        # One global head for every network: drawn from the seed (as flax's Dense draws
+        # its kernel), not from any one network's initialisation.
+        kernel = nn.initializers.lecun_normal()(
+            jax.random.fold_in(jax.random.PRNGKey(seed), HEAD_STREAM), (d, c), jnp.float32)
+        return GhServer(params, model_state, {"kernel": kernel, "bias": jnp.zeros(c)},
+                        jnp.zeros((), jnp.int32))
+
+    def client_state_init(server):
+        return {"params": server.params, **server.model_state}
+
+    def with_head(variables, head):
+        return {**variables, "params": {**variables["params"], HEAD: head}}
+
+    def client_init(server, client_state, ctx):
+        steps = jnp.asarray(ctx.num_steps, jnp.int32)
+        d, c = server.head["kernel"].shape
+        return GhLocal(local_lib.init_local(client_tx, with_head(client_state, server.head),
+                                            ctx.round),
+                       steps - local_lib.phase_steps(collect_share, ctx.num_steps),
+                       jnp.zeros((c, d), jnp.float32), jnp.zeros((c,), jnp.float32))
+
+    def train_step(local, batch, server):
+        del server
+        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch)
+        return local._replace(train=train), metrics
+
+    def collect_step(local, batch, server):
+        del server
+        (_, z), _ = local_lib.forward(net, local.train.params, local.train.model_state, batch,
+                                      train=False)
+        sums, counts = class_sums(z.reshape(z.shape[0], -1).astype(jnp.float32), batch["y"],
+                                  batch["mask"], local.sums.shape[0])
+        zero = jnp.zeros((), jnp.float32)
+        return (local._replace(sums=local.sums + sums, counts=local.counts + counts,
+                               train=local.train._replace(step=local.train.step + 1)),
+                {"loss_sum": zero, "num_examples": zero})
+
+    def client_step(local, batch, server):
+        return jax.lax.cond(local.train.step < local.collect_from, train_step, collect_step,
+                            local, batch, server)
+
+    def client_output(local, server):
+        del server
+        has = (local.counts > 0).astype(jnp.float32)
+        protos = local.sums / jnp.maximum(local.counts, 1.0)[:, None]
+        return ({"protos": protos * has[:, None], "has": has},
+                {"params": local.train.params, **local.train.model_state})
+
+    def server_update(server, outputs, info):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), info.round)
+        # A slot of weight 0 holds no report.
+        has = outputs["has"] * (info.weights > 0)[:, None]
+        head = train_head(server.head, outputs["protos"], has, server_lr, batch_size, key)
+        return server._replace(head=head, round=server.round + 1)
+
+    def eval_variables(server):
+        return {"params": {**server.params, HEAD: server.head}, **server.model_state}
+
+    def personal_variables(server, client_state):
+        return with_head(client_state, server.head)
+
+    def download_bytes(server, client_ids, round_index):
+        del client_ids, round_index
+        return tree_bytes(server.head)
+
+    return FederatedAlgorithm(
+        server_init, client_state_init, client_init, client_step, client_output,
+        server_update, eval_variables,
+        aggregator=Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True),
+        personal_variables=personal_variables, download_bytes=download_bytes)
+
+
+def _collect_share(cfg: Any) -> float:
+    return local_lib.share_of_steps(cfg.fedgh.collect_epochs, cfg.local.epochs,
+                                    "fedgh.collect_epochs", "the prototype pass is")
+
+
+def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
+    del server_tx  # the head is trained on the server, not averaged
+    return fedgh(model, client_tx, _collect_share(cfg), server_lr=cfg.fedgh.server_lr,
+                 batch_size=cfg.local.batch_size, seed=cfg.seed)
+
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_collect_share,
+                       heterogeneous=True)

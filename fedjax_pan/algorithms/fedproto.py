@@ -1,0 +1,199 @@
+"""FedProto (Tan et al., AAAI 2022): clients share class prototypes, not models.
+
+Every client keeps its own model; the server keeps one prototype per class, the mean
+over clients of their class means of the representation f(x) (the input of the head):
+
+    C_j = (1 / |N_j|) sum_{i in N_j} c_j^i,   c_j^i = mean_{(x, y) in D_i, y = j} f_i(x),
+
+N_j the clients that hold class j. A client trains on
+
+    CE(w) + lam * MSE(f_w(x), C_y)
+
+(the mean over the batch's real rows and the D features, PFLlib's `nn.MSELoss`; rows of a
+class without a global prototype contribute 0, as PFLlib's `proto_new[i] = rep[i]`), then
+reports its class means. As PFLlib's serverproto.py, the global prototypes are those the
+round's clients report (a class nobody reports drops out), averaged over the clients that
+hold the class (weights 'num_examples': weighted by their sizes). As PFLlib's
+clientproto.py, the class means come from the trained model in one pass over the
+client's data without training: here the last round(share x steps) local steps of the
+round (`fedproto.collect_epochs` out of `local.epochs`, 1.0: one pass). A client is scored
+by its nearest global prototype (PFLlib's test: argmin_j MSE(f(x), C_j)), which is the
+client's network with its head replaced by kernel 2 C^T and bias -||C_j||^2 (classes
+without a prototype never chosen); before any prototype exists, by its own head.
+
+Outputs depend only on the classes and the representation's width, so clients may run
+networks of several architectures (`model.architectures`, `engine.groups.Groups`) whose
+representations are equally wide. The global evaluation shows this network's initial
+model; each client downloads the prototypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, tree_bytes,
+                                        weighted_sum)
+from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.rules import between
+
+PyTree = Any
+OPTIONS = {"lam": 1.0, "collect_epochs": 1.0}
+RULES = {"lam": between(0, 1e4), "collect_epochs": between(0, 1000, lo_open=True)}
+NEVER = -1e9  # a prototype-less class's logit: never the nearest
+
+
+class ProtoServer(NamedTuple):
+    params: PyTree  # this network's initial model (the global evaluation's)
+    model_state: PyTree
+    protos: jax.Array  # (C, D) global prototypes
+    present: jax.Array  # (C,) 1.0 where some client reported the class last round
+    round: jax.Array
+
+
+class ProtoLocal(NamedTuple):
+    train: local_lib.LocalState
+    collect_from: jax.Array  # the first step of the pass collecting class means
+    sums: jax.Array  # (C, D) sums of f(x) by class over the pass
+    counts: jax.Array  # (C,)
+
+
+def proto_loss(features: jax.Array, labels: jax.Array, mask: jax.Array, protos: jax.Array,
+               present: jax.Array) -> jax.Array:
+    """MSE(f(x), C_y) over the real rows and the features; 0 where y has no prototype."""
+    target = protos[labels]
+    use = mask * present[labels]
+    diff = jnp.where(use[:, None] > 0, features - target, 0.0)
+    rows = jnp.maximum(jnp.sum(mask), 1.0)
+    return jnp.sum(diff * diff) / (rows * features.shape[-1])
+
+
+def class_sums(features: jax.Array, labels: jax.Array, mask: jax.Array, num_classes: int):
+    """((C, D) sums of the real rows' features by class, (C,) their counts)."""
+    onehot = jax.nn.one_hot(labels, num_classes, dtype=features.dtype) * mask[:, None]
+    return onehot.T @ features, jnp.sum(onehot, axis=0)
+
+
+def nearest_prototype_head(protos: jax.Array, present: jax.Array) -> dict:
+    """The head whose argmax is the nearest prototype: logits 2 f.C_j - ||C_j||^2 (the
+    squared distance less ||f||^2, equal for every class)."""
+    bias = jnp.where(present > 0, -jnp.sum(protos * protos, axis=1), NEVER)
+    return {"kernel": 2.0 * protos.T, "bias": bias}
+
+
+def fedproto(model: nn.Module, client_tx: optax.GradientTransformation,
+             collect_share: float, *, lam: float = 1.0) -> FederatedAlgorithm:
+    """FedProto for a `model` that sows its 'features' and ends in one linear head; the
+    last round(collect_share x steps) local steps collect the class means."""
+    if lam < 0:
+        raise ValueError(f"FedProto needs lam >= 0, got {lam}")
+    local_lib.check_share(collect_share, "FedProto's share of local steps collecting "
+                                         "prototypes")
+    net = _WithFeatures(model)
+
+    def ce(outputs, labels, mask):
+        return local_lib.masked_cross_entropy(outputs[0], labels, mask)
+
+    def head_shape(params):
+        """(D, C) of the head: the representation's width and the classes."""
+        head = params.get(HEAD) if hasattr(params, "get") else None
+        if head is None or set(head) != {"kernel", "bias"} or head["kernel"].ndim != 2:
+            raise ValueError(f"FedProto needs a model whose output layer is one linear layer "
+                             f"named {HEAD!r} on its features")
+        return head["kernel"].shape
+
+    def server_init(variables):
+        params, model_state = local_lib.split_variables(variables)
+        d, c = head_shape(params)
+        return ProtoServer(params, model_state, jnp.zeros((c, d), jnp.float32),
+                           jnp.zeros((c,), jnp.float32), jnp.zeros((), jnp.int32))
+
+    def client_state_init(server):
+        return {"params": server.params, **server.model_state}
+
+    def client_init(server, client_state, ctx):
+        steps = jnp.asarray(ctx.num_steps, jnp.int32)
+        return ProtoLocal(local_lib.init_local(client_tx, client_state, ctx.round),
+                          steps - local_lib.phase_steps(collect_share, ctx.num_steps),
+                          jnp.zeros_like(server.protos), jnp.zeros_like(server.present))
+
+    def train_step(local, batch, server):
+        def regulariser(params, train, batch, outputs):
+            del params, train
+            term = proto_loss(outputs[1], batch["y"], batch["mask"], server.protos,
+                              server.present)
+            return lam * term, {"proto_sum": term * jnp.sum(batch["mask"])}
+        train, metrics = local_lib.sgd_step(net, client_tx, local.train, batch,
+                                            extra_loss=regulariser, loss=ce)
+        return local._replace(train=train), metrics
+
+    def collect_step(local, batch, server):
+        del server
+        (_, z), _ = local_lib.forward(net, local.train.params, local.train.model_state, batch,
+                                      train=False)
+        sums, counts = class_sums(z.reshape(z.shape[0], -1).astype(jnp.float32), batch["y"],
+                                  batch["mask"], local.sums.shape[0])
+        zero = jnp.zeros((), jnp.float32)
+        # The pass trains nothing: its steps add no training loss, and count apart.
+        return (local._replace(sums=local.sums + sums, counts=local.counts + counts,
+                               train=local.train._replace(step=local.train.step + 1)),
+                {"loss_sum": zero, "num_examples": zero, "proto_sum": zero})
+
+    def client_step(local, batch, server):
+        return jax.lax.cond(local.train.step < local.collect_from, train_step, collect_step,
+                            local, batch, server)
+
+    def client_output(local, server):
+        del server
+        has = (local.counts > 0).astype(jnp.float32)
+        means = local.sums / jnp.maximum(local.counts, 1.0)[:, None]
+        return ({"protos": means * has[:, None], "has": has},
+                {"params": local.train.params, **local.train.model_state})
+
+    def server_update(server, sums, info):
+        del info
+        present = (sums["has"] > 0).astype(jnp.float32)
+        protos = sums["protos"] / jnp.maximum(sums["has"], 1e-12)[:, None]
+        return server._replace(protos=protos * present[:, None], present=present,
+                               round=server.round + 1)
+
+    def eval_variables(server):
+        return {"params": server.params, **server.model_state}
+
+    def personal_variables(server, client_state):
+        params = dict(client_state["params"])
+        proto_head = nearest_prototype_head(server.protos, server.present)
+        anything = jnp.any(server.present > 0)
+        params[HEAD] = jax.tree_util.tree_map(lambda p, own: jnp.where(anything, p, own),
+                                              proto_head, params[HEAD])
+        return {**client_state, "params": params}
+
+    def download_bytes(server, client_ids, round_index):
+        del client_ids, round_index
+        return tree_bytes((server.protos, server.present))
+
+    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
+                              client_output, server_update, eval_variables,
+                              aggregator=weighted_sum, personal_variables=personal_variables,
+                              download_bytes=download_bytes)
+
+
+def _collect_share(cfg: Any) -> float:
+    return local_lib.share_of_steps(cfg.fedproto.collect_epochs, cfg.local.epochs,
+                                    "fedproto.collect_epochs", "the prototype pass is")
+
+
+def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
+    del server_tx  # no model is averaged
+    return fedproto(model, client_tx, _collect_share(cfg), lam=cfg.fedproto.lam)
+
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_collect_share,
+                       heterogeneous=True)
