@@ -1,7 +1,7 @@
 """Personalised FL (paper 001's setting): each client scored on its own test data.
 
-Fashion-MNIST, an MLP (the preset's), every client's data split 75/25 into its own train and test
-parts (PFLlib's `partition.test_fraction` 0.25), two label skews (PFLlib's `pat`:
+Fashion-MNIST, an MLP (the preset's), every client's data split 75/25 into its own train
+and test parts (PFLlib's `partition.test_fraction` 0.25), two label skews (PFLlib's `pat`:
 pathological, 2 classes per client; `dir`: Dirichlet 0.1 by class) and two federation
 sizes, K = 20 (PFLlib's default, all clients every round) and K = 100 (10% per round).
 Algorithms: FedAvg and FedProx (their global model on each client's data), FedAvg-C and
@@ -9,18 +9,23 @@ FedProx-C (that model fine-tuned by each client for an epoch of its own data fir
 `eval.finetune_epochs`), and the personalised ones the library has, each evaluating its
 own per-client model: Local, FedPer, LG-FedAvg, Ditto, APFL, FedRep, Per-FedAvg (first
 order), pFedMe, FedRoD, FedALA, FedAMP, FedPHP, FedFomo, APPLE, FedMTL, PartialFed,
-FedProto, KT-pFL, and KT-pFL over clients of three architectures (`ktpfl_mixed`: client n runs the
-n mod 3-th of the preset's `mixed` networks, two MLPs and a small CNN, at lr 0.01) (FedBN
-needs normalisation layers, which this MLP has none of: it would be FedAvg). SGD lr 0.05
-momentum 0.9 at a constant learning rate (PFLlib has no warm-up); as PFLlib, FedRep trains
-its head one epoch and then its body E epochs, FedALA makes its ALA pass over 80% of the
-data before its E epochs, Per-FedAvg loads batches of 2B and halves them, and pFedMe and
-Per-FedAvg take their own plain SGD steps (pFedMe: lambda 15, 5 inner steps of 0.09);
-PartialFed learns its loading strategy over half an epoch's steps and FedFomo scores the
-models it receives over a fifth of an epoch's batches before their E epochs, FedProto
-collects its class means in a pass over the data after them; KT-pFL holds
-1,000 training examples out as its public set and distils for an epoch's steps after its
-E epochs. Every algorithm runs with its library defaults otherwise.
+FedProto, FD, FedGH, FedPCL, FML, FedKD, FedDBE, FedCAC, FedAS, FedCross, FedCP, GPFL,
+FedPAC, FedDA, FedGC, KT-pFL, and KT-pFL over clients of three architectures
+(`ktpfl_mixed`: client n runs the n mod 3-th of the preset's `mixed` networks, two MLPs
+and a small CNN, at lr 0.01); FedGen, FedLC and FedNTD score their global model, FedBABU
+its global model fine-tuned as FedAvg-C's (FedBN needs normalisation layers, which this
+MLP has none of: it would be FedAvg). SGD lr 0.05 momentum 0.9 at a constant learning rate
+(PFLlib has no warm-up); as PFLlib, FedRep trains its head one epoch and then its body E
+epochs, FedALA makes its ALA pass over 80% of the data before its E epochs, Per-FedAvg
+loads batches of 2B and halves them, and pFedMe and Per-FedAvg take their own plain SGD
+steps (pFedMe: lambda 15, 5 inner steps of 0.09); PartialFed learns its loading strategy
+over half an epoch's steps and FedFomo scores the models it receives over a fifth of an
+epoch's batches before their E epochs, FedAS aligns and measures its Fisher information
+over a quarter epoch each around them, FedProto, FedGH and FedPCL collect their prototypes
+in a pass over the data after them; APPLE trains at lr 0.005 (PFLlib's), since it steps
+its core models at lr x K; KT-pFL holds 1,000 training examples out as its public set and
+distils for an epoch's steps after its E epochs. Every algorithm runs with its library
+defaults otherwise.
 Every run goes through the library's training loop into
 `runs/<setting>_<algorithm>_s<seed>/`.
 
@@ -30,7 +35,7 @@ worst 10% of clients, the global model's accuracy on the global test set, and it
 time (the median over rounds after the first) relative to FedAvg's in the same setting.
 
 Presets:
-  cpu     20 rounds of E = 1, seed 0, McMahan et al.'s 2NN (784-200-200-10): about two
+  cpu     20 rounds of E = 1, seed 0, McMahan et al.'s 2NN (784-200-200-10): about three
           hours on 2 CPU cores (--seeds 0 1 doubles it; --algorithms picks some)
   fedala_table  the cpu preset's runs of paper 001's FedALA table (its 14 methods, K = 20,
           both skews): about 25 minutes

@@ -569,7 +569,7 @@ def test_personalized_table_from_its_runs(tmp_path):
     mean of each run's last 3 evaluations, and costs are relative to FedAvg's."""
     from experiments import personalized
     from fedjax_pan import experiment
-    for preset in ("cpu", "paper"):
+    for preset in ("cpu", "paper", "fedala_table"):
         s = personalized.PRESETS[preset]
         for skew in s.skews:
             for k in s.clients:
@@ -590,6 +590,32 @@ def test_personalized_table_from_its_runs(tmp_path):
     assert float(table[0]["cost_vs_fedavg"]) == 1.0
     assert os.path.getsize(os.path.join(out, "personalized.png")) > 10_000
     assert os.path.getsize(os.path.join(out, "personalized_curves.png")) > 10_000
+    # Paper 001's FedALA table: its 14 methods and 8 columns, ours at K = 20 (not in the
+    # smoke run: 'not run'), the paper's numbers beside them.
+    layout = common.read_csv(os.path.join(out, "fedala_table.csv"))
+    assert [r["method"] for r in layout] == [m for m, _ in personalized.PAPER_METHODS]
+    assert all(r["pat here"] == r["dir here"] == "not run" for r in layout)
+    assert float(layout[0]["dir AG News paper"]) == 79.57
+    assert layout[-1]["dir TINY here"] == "not run"
+    rows = personalized.fedala_table([
+        {"setting": "pat_K20", "algorithm": "fedavg", "pfl_accuracy": 0.63156},
+        {"setting": "dir_K20", "algorithm": "fedavg", "pfl_accuracy": float("nan")}])
+    assert (rows[0]["pat here"], rows[0]["dir here"]) == ("63.16", "diverged")
+    markdown = personalized.fedala_markdown(rows, "Fashion-MNIST")
+    assert "| FedAvg | 63.16 | diverged | 97.93 / not run |" in markdown
+
+
+def test_algorithms_can_be_picked_from_the_command_line(capsys):
+    from experiments import personalized, r_kept
+    s = personalized.PRESETS["smoke"]
+    picked = common.with_algorithms("personalized", s, ["fedamp", "fedavg_c"])
+    assert picked.algorithms == ("fedamp", "fedavg_c") and picked.clients == s.clients
+    assert common.with_algorithms("personalized", s, None) is s
+    for bad in (["nosuch"], ["fedamp", "fedamp"]):
+        with pytest.raises(common.UsageError, match=r"--algorithms must be distinct names"):
+            common.with_algorithms("personalized", s, bad)
+    assert r_kept.main(["--out", "unused", "--algorithms", "fedavg"]) == 2
+    assert "compares no algorithms" in capsys.readouterr().err
 
 
 def test_sigterm_saves_the_round_and_resume_finishes_the_sweep(tmp_path, monkeypatch, capsys):

@@ -2,9 +2,9 @@
 
 from fedjax_pan.algorithms.attacks import Attack, with_attack
 from fedjax_pan.algorithms.compressed import with_compression
-from fedjax_pan.algorithms.core import (Aggregator, ClientContext, FederatedAlgorithm, RoundInfo,
-                                        median, no_client_state, tree_bytes, trimmed_mean,
-                                        weighted_mean, weighted_sum)
+from fedjax_pan.algorithms.core import (Aggregator, ClientContext, FederatedAlgorithm,
+                                        RoundInfo, median, no_client_state, tree_bytes,
+                                        trimmed_mean, weighted_mean, weighted_sum)
 from fedjax_pan.algorithms.dp import AdaptiveClip, with_dp
 from fedjax_pan.algorithms.fed2 import fed2
 from fedjax_pan.algorithms.fedavg import fedavg

@@ -70,7 +70,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         tree_bytes)
 from fedjax_pan.rules import between
 
@@ -212,8 +212,7 @@ def apple(model: nn.Module, client_tx: optax.GradientTransformation, learning_ra
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
-                              aggregator=Aggregator(lambda outs, weights, arrivals=None: outs,
-                                                    stacked=True),
+                              aggregator=every_output,
                               personal_variables=personal_variables,
                               download_bytes=download_bytes)
 

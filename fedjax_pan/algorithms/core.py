@@ -13,7 +13,7 @@ from fedjax_pan.engine.protocol import (Aggregator, ClientContext, FederatedAlgo
 
 __all__ = ["Aggregator", "ClientContext", "FederatedAlgorithm", "RoundInfo", "median",
            "tree_bytes", "tree_map", "trimmed_mean", "weighted_mean", "weighted_sum",
-           "AlgorithmEntry", "no_client_state"]
+           "AlgorithmEntry", "no_client_state", "every_output", "server_model", "own_model"]
 
 
 class AlgorithmEntry(NamedTuple):
@@ -61,3 +61,20 @@ def no_client_state(server_state: PyTree) -> None:
     """`client_state_init` of algorithms that keep nothing per client."""
     del server_state
     return None
+
+
+# The stacked aggregator that hands `server_update` every client's output as it was sent,
+# in the cohort's order (`info.client_ids`): for servers that keep something per client.
+every_output = Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True)
+
+
+def server_model(server_state: PyTree) -> PyTree:
+    """`eval_variables` of a server state holding `params` and `model_state` (the
+    initial model, where an algorithm has no global one)."""
+    return {"params": server_state.params, **server_state.model_state}
+
+
+def own_model(server_state: PyTree, client_state: PyTree) -> PyTree:
+    """`personal_variables` of an algorithm whose client state is the client's model."""
+    del server_state
+    return client_state

@@ -23,7 +23,7 @@ import jax
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, own_model
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.rules import between
 
@@ -71,9 +71,7 @@ def ditto(model: nn.Module, client_tx: optax.GradientTransformation, learning_ra
         output, _ = base.client_output(local.shared, server)
         return output, {"params": local.personal.params, **local.personal.model_state}
 
-    def personal_variables(server, client_state):
-        del server
-        return client_state
+    personal_variables = own_model
 
     return base._replace(client_state_init=client_state_init, client_init=client_init,
                          client_step=client_step, client_output=client_output,

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, tree_bytes,
-                                        weighted_sum)
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
+                                        server_model, tree_bytes, weighted_sum)
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -114,12 +114,9 @@ def fd(model: nn.Module, client_tx: optax.GradientTransformation, *, lam: float 
         return server._replace(logits=logits * present[:, None], present=present,
                                round=server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
-    def personal_variables(server, client_state):
-        del server
-        return client_state
+    personal_variables = own_model
 
     def download_bytes(server, client_ids, round_index):
         del client_ids, round_index

@@ -28,7 +28,7 @@ import optax
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, Aggregator, FederatedAlgorithm,
+from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
                                         tree_bytes)
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.rules import Rule, boolean, one_of

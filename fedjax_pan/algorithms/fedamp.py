@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
-                                        tree_bytes)
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
+                                        own_model, server_model, tree_bytes)
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -131,12 +131,9 @@ def fedamp(model: nn.Module, client_tx: optax.GradientTransformation, num_client
             models=tree_map(lambda all_, new: all_.at[ids].set(new), server.models, uploads),
             uploaded=server.uploaded.at[ids].set(1.0), round=server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
-    def personal_variables(server, client_state):
-        del server
-        return client_state
+    personal_variables = own_model
 
     def download_bytes(server, client_ids, round_index):
         del client_ids, round_index
@@ -145,7 +142,7 @@ def fedamp(model: nn.Module, client_tx: optax.GradientTransformation, num_client
     return FederatedAlgorithm(
         server_init, client_state_init, client_init, client_step, client_output,
         server_update, eval_variables,
-        aggregator=Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True),
+        aggregator=every_output,
         personal_variables=personal_variables, download_bytes=download_bytes)
 
 

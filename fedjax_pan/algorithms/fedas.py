@@ -52,7 +52,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
+                                        server_model)
 from fedjax_pan.algorithms.fedrod import _check_head
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD
@@ -208,8 +209,7 @@ def fedas(model: nn.Module, client_tx: optax.GradientTransformation, align_share
         params, model_state = local_lib.split_variables(mean)
         return AsServer(params, model_state, server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     def personal_variables(server, client_state):
         del server
@@ -217,8 +217,7 @@ def fedas(model: nn.Module, client_tx: optax.GradientTransformation, align_share
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
-                              aggregator=Aggregator(lambda outs, weights, arrivals=None: outs,
-                                                    stacked=True),
+                              aggregator=every_output,
                               personal_variables=personal_variables)
 
 

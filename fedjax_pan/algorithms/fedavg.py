@@ -19,7 +19,7 @@ import jax
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.algorithms.core import FederatedAlgorithm, server_model
 from fedjax_pan.engine.protocol import ModelView
 
 PyTree = Any
@@ -72,8 +72,7 @@ def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
         params = optax.apply_updates(server.params, updates)
         return ServerState(params, mean_output["model_state"], opt_state, server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,

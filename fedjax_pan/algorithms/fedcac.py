@@ -63,8 +63,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
-                                        tree_bytes)
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
+                                        server_model, tree_bytes)
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -192,8 +192,7 @@ def fedcac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
                          server.built.at[ids].set(server.built[ids] | present),
                          server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     def personal_variables(server, client_state):
         return {"params": own_model(server, client_state, client_state["id"]),
@@ -208,8 +207,7 @@ def fedcac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
-                              aggregator=Aggregator(lambda outs, weights, arrivals=None: outs,
-                                                    stacked=True),
+                              aggregator=every_output,
                               personal_variables=personal_variables,
                               download_bytes=download_bytes)
 

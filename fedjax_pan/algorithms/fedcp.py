@@ -51,7 +51,7 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -160,10 +160,7 @@ class CPNet(NamedTuple):
 
 
 def _check_head(params: PyTree) -> None:
-    head = params.get(HEAD) if hasattr(params, "get") else None
-    if head is None or set(head) != {"kernel", "bias"} or head["kernel"].ndim != 2:
-        raise ValueError("FedCP needs a model whose output layer is one linear layer named "
-                         f"{HEAD!r} (kernel and bias) on the sown 'features'")
+    linear_head(params, "FedCP")
 
 
 def fedcp(model: nn.Module, client_tx: optax.GradientTransformation,

@@ -52,7 +52,8 @@ import optax
 
 from fedjax_pan import models as models_lib
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
+                                        own_model, server_model)
 from fedjax_pan.rules import between, one_of
 
 PyTree = Any
@@ -171,17 +172,13 @@ def fedcross(model: nn.Module, client_tx: optax.GradientTransformation, num_clie
         return CrossServer(params, model_state, {**middleware, "params": reset},
                            server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
-    def personal_variables(server, client_state):
-        del server
-        return client_state
+    personal_variables = own_model
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
-                              aggregator=Aggregator(lambda outs, weights, arrivals=None: outs,
-                                                    stacked=True),
+                              aggregator=every_output,
                               personal_variables=personal_variables)
 
 

@@ -38,7 +38,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
+                                        server_model, tree_bytes)
 from fedjax_pan.algorithms.fedcp import _check_head
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD
@@ -143,12 +144,9 @@ def fedda(model: nn.Module, client_tx: optax.GradientTransformation,
         return DaServer({**server.params, HEAD: head}, server.model_state, opt_state,
                         server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
-    def personal_variables(server, client_state):
-        del server
-        return client_state
+    personal_variables = own_model
 
     def download_bytes(server, client_ids, round_index):
         del client_ids, round_index

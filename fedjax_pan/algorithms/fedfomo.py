@@ -55,8 +55,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
-                                        tree_bytes)
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
+                                        server_model, tree_bytes)
 from fedjax_pan.engine.simulation import clients_per_round
 from fedjax_pan.rules import between
 
@@ -193,8 +193,7 @@ def fedfomo(model: nn.Module, client_tx: optax.GradientTransformation, num_clien
                                affinity=server.affinity.at[ids].add(outputs["weights"]),
                                round=server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     def personal_variables(server, client_state):
         del server
@@ -209,8 +208,7 @@ def fedfomo(model: nn.Module, client_tx: optax.GradientTransformation, num_clien
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
-                              aggregator=Aggregator(lambda outs, weights, arrivals=None: outs,
-                                                    stacked=True),
+                              aggregator=every_output,
                               personal_variables=personal_variables,
                               download_bytes=download_bytes)
 

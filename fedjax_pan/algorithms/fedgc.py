@@ -55,7 +55,7 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms import personal
-from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         tree_bytes)
 from fedjax_pan.algorithms.fedavg import ServerState
 from fedjax_pan.rules import between
@@ -238,7 +238,7 @@ def fedgc(model: nn.Module, client_tx: optax.GradientTransformation, num_clients
     return FederatedAlgorithm(
         server_init, client_state_init, client_init, client_step, client_output,
         server_update, eval_variables,
-        aggregator=Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True),
+        aggregator=every_output,
         upload_bytes=upload_bytes, personal_variables=personal_variables,
         download_bytes=download_bytes)
 

@@ -42,8 +42,9 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, server_model,
+                                        tree_bytes)
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
@@ -59,7 +60,8 @@ GENERATOR_STREAM = 0x67656E  # the generator's keys, folded into the seed's
 
 
 class Generator(nn.Module):
-    """PFLlib's `Generative`: [eps, onehot(y)] -> Dense -> BatchNorm -> ReLU -> Dense."""
+    """PFLlib's `Generative`: [eps, onehot(y)] -> Dense -> BatchNorm -> ReLU -> Dense
+    (the first Dense without its bias, which the normalisation cancels)."""
 
     num_classes: int
     noise_dim: int
@@ -69,7 +71,9 @@ class Generator(nn.Module):
     @nn.compact
     def __call__(self, labels: jax.Array, noise: jax.Array) -> jax.Array:
         x = jnp.concatenate([noise, jax.nn.one_hot(labels, self.num_classes)], axis=-1)
-        x = nn.Dense(self.hidden)(x)
+        # No bias before the normalisation, which cancels it: PFLlib's has one, whose
+        # gradient is 0 but for rounding, and which Adam then moves by rounding noise.
+        x = nn.Dense(self.hidden, use_bias=False)(x)
         x = nn.BatchNorm(use_running_average=False)(x)  # batch statistics (train mode)
         return nn.Dense(self.features)(nn.relu(x))
 
@@ -104,11 +108,7 @@ def fedgen(model: nn.Module, client_tx: optax.GradientTransformation, batch_size
     base_key = jax.random.fold_in(jax.random.PRNGKey(seed), GENERATOR_STREAM)
 
     def head_shape(params):
-        head = params.get(HEAD) if hasattr(params, "get") else None
-        if head is None or set(head) != {"kernel", "bias"} or head["kernel"].ndim != 2:
-            raise ValueError(f"FedGen needs a model whose output layer is one linear layer "
-                             f"named {HEAD!r} on its features")
-        return head["kernel"].shape
+        return linear_head(params, "FedGen")["kernel"].shape
 
     def generator_net(params):
         d, c = head_shape(params)
@@ -159,8 +159,9 @@ def fedgen(model: nn.Module, client_tx: optax.GradientTransformation, batch_size
     def client_step(local, batch, server):
         net = generator_net(server.params)
         key = jax.random.fold_in(local.key, local.train.step)
-        labels, z = generate(net, server.generator, key, server.label_dist,
-                             batch["y"].shape[0])
+        # `batch_size` samples whatever the batch's rows (PFLlib's `self.batch_size`):
+        # a short or padded batch draws the same.
+        labels, z = generate(net, server.generator, key, server.label_dist, batch_size)
         z = jax.lax.stop_gradient(z)
 
         def generated(params, train, batch, logits):
@@ -211,8 +212,7 @@ def fedgen(model: nn.Module, client_tx: optax.GradientTransformation, batch_size
         return GenServer({**server.params, **new}, model_state, opt_state, gen, gen_opt,
                          dist, server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     def personal_variables(server, client_state):
         return {**client_state, "params": {**client_state["params"], HEAD: server.params[HEAD]}}

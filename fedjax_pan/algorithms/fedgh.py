@@ -11,14 +11,15 @@ batch size in a shuffled order, by SGD at `server_lr`.
 
 As PFLlib's servergh.py / clientgh.py: every reported pair is one training example (no
 weighting by the clients' sizes), the pass uses `local.batch_size` and keeps a last
-partial batch, the server's rate is PFLlib's `server_learning_rate` (1.0), and a client
-is scored with its own body and the current global head (PFLlib evaluates after handing
-out the head). The global head starts as a draw from the seed (PFLlib: the first client's
-initial head), the same for every network. The prototype pass is the last round(share x steps) local steps of the
-round (`fedgh.collect_epochs` out of `local.epochs`, 1.0: one pass). The order of the
-server's pass is drawn from (seed, round). Outputs are (C, D) prototypes whatever the
-client's network, so clients may run several whose representations are equally wide
-(`model.architectures`). Each client downloads the head and uploads its prototypes.
+partial batch, the server's rate is PFLlib's `server_learning_rate` (1.0), and a client is
+scored with its own body and the current global head (PFLlib evaluates after handing out
+the head). The global head starts as a draw from the seed (PFLlib: the first client's
+initial head), the same for every network. The prototype pass is the last round(share x
+steps) local steps of the round (`fedgh.collect_epochs` out of `local.epochs`, 1.0: one
+pass). The order of the server's pass is drawn from (seed, round). Outputs are (C, D)
+prototypes whatever the client's network, so clients may run several whose representations
+are equally wide (`model.architectures`). Each client downloads the head and uploads its
+prototypes.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         tree_bytes)
-from fedjax_pan.algorithms.fedproto import class_sums
+from fedjax_pan.algorithms.fedproto import collecting_step
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -101,16 +102,9 @@ def fedgh(model: nn.Module, client_tx: optax.GradientTransformation, collect_sha
                                          "prototypes")
     net = _WithFeatures(model)
 
-    def head_of(params):
-        head = params.get(HEAD) if hasattr(params, "get") else None
-        if head is None or set(head) != {"kernel", "bias"} or head["kernel"].ndim != 2:
-            raise ValueError(f"FedGH needs a model whose output layer is one linear layer "
-                             f"named {HEAD!r} on its features")
-        return head
-
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        d, c = head_of(params)["kernel"].shape
+        d, c = linear_head(params, "FedGH")["kernel"].shape
         # One global head for every network: drawn from the seed (as flax's Dense draws
         # its kernel), not from any one network's initialisation.
         kernel = nn.initializers.lecun_normal()(
@@ -139,14 +133,7 @@ def fedgh(model: nn.Module, client_tx: optax.GradientTransformation, collect_sha
 
     def collect_step(local, batch, server):
         del server
-        (_, z), _ = local_lib.forward(net, local.train.params, local.train.model_state, batch,
-                                      train=False)
-        sums, counts = class_sums(z.reshape(z.shape[0], -1).astype(jnp.float32), batch["y"],
-                                  batch["mask"], local.sums.shape[0])
-        zero = jnp.zeros((), jnp.float32)
-        return (local._replace(sums=local.sums + sums, counts=local.counts + counts,
-                               train=local.train._replace(step=local.train.step + 1)),
-                {"loss_sum": zero, "num_examples": zero})
+        return collecting_step(net, local, batch)
 
     def client_step(local, batch, server):
         return jax.lax.cond(local.train.step < local.collect_from, train_step, collect_step,
@@ -179,7 +166,7 @@ def fedgh(model: nn.Module, client_tx: optax.GradientTransformation, collect_sha
     return FederatedAlgorithm(
         server_init, client_state_init, client_init, client_step, client_output,
         server_update, eval_variables,
-        aggregator=Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True),
+        aggregator=every_output,
         personal_variables=personal_variables, download_bytes=download_bytes)
 
 

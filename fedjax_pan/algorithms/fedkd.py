@@ -73,7 +73,8 @@ import optax
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, server_model,
+                                        tree_bytes)
 from fedjax_pan.algorithms.fml import (DEFAULT_SPEC, KL_MEANS, check_spec, clip_grad_norm,
                                        head_classes, kl_divergence, shared_network,
                                        spec_error)
@@ -266,8 +267,7 @@ def fedkd(model: nn.Module, client_tx: optax.GradientTransformation,
                                student_state=mean["model_state"], opt_state=opt_state,
                                round=server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     def personal_variables(server, client_state):
         del server

@@ -59,7 +59,8 @@ import optax
 from ml_collections.config_dict import placeholder
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
+                                        own_model, server_model)
 from fedjax_pan.engine.protocol import tree_bytes
 from fedjax_pan.rules import between, one_of
 
@@ -171,12 +172,9 @@ def fedmtl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
         stack = tree_map(lambda s, o: s.at[info.client_ids].set(o), server.stack, outputs)
         return server._replace(stack=stack, round=server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
-    def personal_variables(server, client_state):
-        del server
-        return client_state
+    personal_variables = own_model
 
     def download_bytes(server, client_ids, round_index):
         # Each sampled client receives W: all K columns (PFLlib deep-copies W_glob).
@@ -186,7 +184,7 @@ def fedmtl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
     return FederatedAlgorithm(
         server_init, client_state_init, client_init, client_step, client_output,
         server_update, eval_variables,
-        aggregator=Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True),
+        aggregator=every_output,
         personal_variables=personal_variables, download_bytes=download_bytes)
 
 

@@ -52,8 +52,8 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
-                                        tree_bytes)
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
+                                        server_model, tree_bytes)
 from fedjax_pan.algorithms.fedcp import _check_head
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD
@@ -232,7 +232,8 @@ def fedpac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
         means = local.p_sums / jnp.maximum(local.p_count, 1.0)[:, None]
         delta = tree_map(jnp.subtract, body(p), body(server.params))
         return ({"delta": delta, "model_state": local.train.model_state, "head": p[HEAD],
-                 "v": v, "h": h, "protos": means * has[:, None], "has": has}, {"slot": local.client_id})
+                 "v": v, "h": h, "protos": means * has[:, None], "has": has},
+                {"slot": local.client_id})
 
     def server_update(server, outs, info):
         w = info.weights
@@ -254,8 +255,7 @@ def fedpac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
         return PacServer(params, model_state, protos, present, heads, opt_state,
                          server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     def personal_variables(server, client_state):
         slot = client_state["slot"]
@@ -272,8 +272,7 @@ def fedpac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
                               client_output, server_update, eval_variables,
-                              aggregator=Aggregator(lambda outs, weights, arrivals=None: outs,
-                                                    stacked=True),
+                              aggregator=every_output,
                               personal_variables=personal_variables,
                               download_bytes=download_bytes)
 

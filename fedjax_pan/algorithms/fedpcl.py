@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
-                                        tree_bytes)
-from fedjax_pan.algorithms.fedproto import NEVER, class_sums
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
+                                        server_model, tree_bytes)
+from fedjax_pan.algorithms.fedproto import NEVER, collecting_step
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -113,11 +113,7 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        head = params.get(HEAD) if hasattr(params, "get") else None
-        if head is None or set(head) != {"kernel", "bias"} or head["kernel"].ndim != 2:
-            raise ValueError(f"FedPCL needs a model whose output layer is one linear layer "
-                             f"named {HEAD!r} on its features")
-        d, c = head["kernel"].shape
+        d, c = linear_head(params, "FedPCL")["kernel"].shape
         return PclServer(params, model_state, jnp.zeros((num_clients, c, d), jnp.float32),
                          jnp.zeros((num_clients, c), jnp.float32),
                          jnp.zeros((num_clients,), jnp.float32), jnp.zeros((), jnp.int32))
@@ -149,14 +145,7 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def collect_step(local, batch, server):
         del server
-        (_, z), _ = local_lib.forward(net, local.train.params, local.train.model_state, batch,
-                                      train=False)
-        sums, counts = class_sums(normalised(z).astype(jnp.float32), batch["y"],
-                                  batch["mask"], local.sums.shape[0])
-        zero = jnp.zeros((), jnp.float32)
-        return (local._replace(sums=local.sums + sums, counts=local.counts + counts,
-                               train=local.train._replace(step=local.train.step + 1)),
-                {"loss_sum": zero, "num_examples": zero})
+        return collecting_step(net, local, batch, normalised)
 
     def client_step(local, batch, server):
         return jax.lax.cond(local.train.step < local.collect_from, train_step, collect_step,
@@ -180,8 +169,7 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
             reported=jnp.zeros_like(server.reported).at[ids].set(sent),
             round=server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     def personal_variables(server, client_state):
         del server
@@ -203,7 +191,7 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
     return FederatedAlgorithm(
         server_init, client_state_init, client_init, client_step, client_output,
         server_update, eval_variables,
-        aggregator=Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True),
+        aggregator=every_output,
         personal_variables=personal_variables, download_bytes=download_bytes)
 
 

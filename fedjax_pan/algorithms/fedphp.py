@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, own_model
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.rules import between
@@ -115,9 +115,7 @@ def fedphp(model: nn.Module, client_tx: optax.GradientTransformation, rounds: in
         trained = {"params": local.train.params, **local.train.model_state}
         return output, moving_average(trained, local.private, local.round, mu, rounds)
 
-    def personal_variables(server, client_state):
-        del server
-        return client_state
+    personal_variables = own_model
 
     return base._replace(client_state_init=client_state_init, client_init=client_init,
                          client_step=client_step, client_output=client_output,

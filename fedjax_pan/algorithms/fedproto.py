@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, tree_bytes,
-                                        weighted_sum)
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, server_model,
+                                        tree_bytes, weighted_sum)
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -80,6 +80,23 @@ def class_sums(features: jax.Array, labels: jax.Array, mask: jax.Array, num_clas
     return onehot.T @ features, jnp.sum(onehot, axis=0)
 
 
+def collecting_step(net: Any, local: Any, batch: Any, transform: Any = None,
+                    metrics: Any = ("loss_sum", "num_examples")) -> tuple:
+    """A step of a pass collecting class means (FedProto, FedGH, FedPCL): `local`'s
+    `sums` and `counts` take the batch's features under its model (through `transform`),
+    nothing trains, its step is counted; the step's `metrics` are 0 (the pass adds no
+    training loss)."""
+    (_, z), _ = local_lib.forward(net, local.train.params, local.train.model_state, batch,
+                                  train=False)
+    z = z.reshape(z.shape[0], -1)
+    z = (z if transform is None else transform(z)).astype(jnp.float32)
+    sums, counts = class_sums(z, batch["y"], batch["mask"], local.sums.shape[0])
+    zero = jnp.zeros((), jnp.float32)
+    return (local._replace(sums=local.sums + sums, counts=local.counts + counts,
+                           train=local.train._replace(step=local.train.step + 1)),
+            {name: zero for name in metrics})
+
+
 def nearest_prototype_head(protos: jax.Array, present: jax.Array) -> dict:
     """The head whose argmax is the nearest prototype: logits 2 f.C_j - ||C_j||^2 (the
     squared distance less ||f||^2, equal for every class)."""
@@ -100,17 +117,9 @@ def fedproto(model: nn.Module, client_tx: optax.GradientTransformation,
     def ce(outputs, labels, mask):
         return local_lib.masked_cross_entropy(outputs[0], labels, mask)
 
-    def head_shape(params):
-        """(D, C) of the head: the representation's width and the classes."""
-        head = params.get(HEAD) if hasattr(params, "get") else None
-        if head is None or set(head) != {"kernel", "bias"} or head["kernel"].ndim != 2:
-            raise ValueError(f"FedProto needs a model whose output layer is one linear layer "
-                             f"named {HEAD!r} on its features")
-        return head["kernel"].shape
-
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        d, c = head_shape(params)
+        d, c = linear_head(params, "FedProto")["kernel"].shape
         return ProtoServer(params, model_state, jnp.zeros((c, d), jnp.float32),
                            jnp.zeros((c,), jnp.float32), jnp.zeros((), jnp.int32))
 
@@ -135,15 +144,8 @@ def fedproto(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def collect_step(local, batch, server):
         del server
-        (_, z), _ = local_lib.forward(net, local.train.params, local.train.model_state, batch,
-                                      train=False)
-        sums, counts = class_sums(z.reshape(z.shape[0], -1).astype(jnp.float32), batch["y"],
-                                  batch["mask"], local.sums.shape[0])
-        zero = jnp.zeros((), jnp.float32)
-        # The pass trains nothing: its steps add no training loss, and count apart.
-        return (local._replace(sums=local.sums + sums, counts=local.counts + counts,
-                               train=local.train._replace(step=local.train.step + 1)),
-                {"loss_sum": zero, "num_examples": zero, "proto_sum": zero})
+        return collecting_step(net, local, batch,
+                               metrics=("loss_sum", "num_examples", "proto_sum"))
 
     def client_step(local, batch, server):
         return jax.lax.cond(local.train.step < local.collect_from, train_step, collect_step,
@@ -163,8 +165,7 @@ def fedproto(model: nn.Module, client_tx: optax.GradientTransformation,
         return server._replace(protos=protos * present[:, None], present=present,
                                round=server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     def personal_variables(server, client_state):
         params = dict(client_state["params"])

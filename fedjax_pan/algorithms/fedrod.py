@@ -24,7 +24,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 
 PyTree = Any
 NO_CLASS = -1e9  # log n_c of a class the client lacks: its logit never wins
@@ -38,10 +38,7 @@ def balanced_softmax_sum(logits: jax.Array, labels: jax.Array, mask: jax.Array,
 
 
 def _check_head(params: PyTree) -> None:
-    head = params.get(HEAD) if hasattr(params, "get") else None
-    if head is None or set(head) != {"kernel", "bias"} or head["kernel"].ndim != 2:
-        raise ValueError("FedRoD needs a model whose output layer is one linear layer named "
-                         f"{HEAD!r} (kernel and bias)")
+    linear_head(params, "FedRoD")
 
 
 def fedrod(model: nn.Module, client_tx: optax.GradientTransformation,

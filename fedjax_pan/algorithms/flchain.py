@@ -57,7 +57,7 @@ import optax
 
 from fedjax_pan import ledger as ledger_lib
 from fedjax_pan import workdir as workdir_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, Aggregator, tree_bytes
+from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, tree_bytes
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.engine.services import Services, SimState
 from fedjax_pan.errors import ConfigError

@@ -48,7 +48,8 @@ import optax
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
+                                        server_model, tree_bytes)
 from fedjax_pan.algorithms.personal import HEAD
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
@@ -220,12 +221,9 @@ def fml(model: nn.Module, client_tx: optax.GradientTransformation,
                                meme_state=mean["model_state"], opt_state=opt_state,
                                round=server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
-    def personal_variables(server, client_state):
-        del server
-        return client_state
+    personal_variables = own_model
 
     def download_bytes(server, client_ids, round_index):
         del client_ids, round_index

@@ -242,8 +242,9 @@ def gpfl(model: nn.Module, client_tx: optax.GradientTransformation,
         grad = tree_map(jnp.negative, mean_output["delta"])
         updates, opt_state = server_tx.update(grad, server.opt_state, shared)
         shared = optax.apply_updates(shared, updates)
-        return GServer({**shared["params"], HEAD: server.params[HEAD]}, mean_output["model_state"], shared["gce"],
-                       shared["cov"], server.gce, opt_state, server.round + 1)
+        return GServer({**shared["params"], HEAD: server.params[HEAD]},
+                       mean_output["model_state"], shared["gce"], shared["cov"], server.gce,
+                       opt_state, server.round + 1)
 
     def eval_variables(server):
         # The global extractor with the initial head (the bare architecture).

@@ -59,8 +59,8 @@ import optax
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
-                                        RoundInfo, weighted_sum)
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, RoundInfo,
+                                        every_output, own_model, server_model, weighted_sum)
 from fedjax_pan.engine.services import Services, SimState
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
@@ -284,16 +284,13 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
         return absorb(server, info.client_ids, outputs["soft"], outputs["size"], lam, rho,
                       coef_lr, simplex, coef_update)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
-    def personal_variables(server, client_state):
-        del server
-        return client_state
+    personal_variables = own_model
 
     # The clients' reports, stacked for `absorb` (phase 2 reports nothing: a sum of ()).
     aggregator = (weighted_sum if phase == "distill"
-                  else Aggregator(lambda outs, weights, arrivals=None: outs, stacked=True))
+                  else every_output)
     def download_bytes(server, client_ids, round_index):
         # Each client receives its personalised target (P, C), not a model.
         del client_ids, round_index

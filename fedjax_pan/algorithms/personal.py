@@ -27,13 +27,24 @@ import optax
 from flax import traverse_util
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, server_model,
+                                        tree_bytes)
 from fedjax_pan.algorithms.fedavg import ServerState
 
 PyTree = Any
 Path = Tuple[str, ...]
 HEAD = "head"  # the output layer's name in every model of `fedjax_pan.models`
 NORM_SUFFIX = "_norm"  # normalisation layers are named <layer>_norm
+
+
+def linear_head(params: PyTree, algorithm: str) -> PyTree:
+    """The model's output layer `HEAD`, which `algorithm` needs to be one linear layer
+    (kernel (D, C) and bias) on the sown 'features'; ValueError otherwise."""
+    head = params.get(HEAD) if hasattr(params, "get") else None
+    if head is None or set(head) != {"kernel", "bias"} or head["kernel"].ndim != 2:
+        raise ValueError(f"{algorithm} needs a model whose output layer is one linear layer "
+                         f"named {HEAD!r} (kernel and bias) on its features")
+    return head
 
 
 def _is_norm(path: Path) -> bool:
@@ -121,8 +132,7 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
                        for c, s in server.model_state.items()}
         return ServerState(params, model_state, opt_state, server.round + 1)
 
-    def eval_variables(server):
-        return {"params": server.params, **server.model_state}
+    eval_variables = server_model
 
     def personal_variables(server, client_state):
         params, model_state = combined(server, client_state)

@@ -37,7 +37,7 @@ import numpy as np
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, Aggregator, FederatedAlgorithm,
+from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
                                         tree_bytes)
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.engine.robust import public_scorer
