@@ -37,6 +37,7 @@ time (the median over rounds after the first) relative to FedAvg's in the same s
 Presets:
   cpu     20 rounds of E = 1, seed 0, McMahan et al.'s 2NN (784-200-200-10): about three
           hours on 2 CPU cores (--seeds 0 1 doubles it; --algorithms picks some)
+  cpu_k100 the cpu preset's K = 100 settings alone
   fedala_table  the cpu preset's runs of paper 001's FedALA table (its 14 methods, K = 20,
           both skews): about 25 minutes
   paper   PFLlib's length, 2000 rounds of E = 1, seeds 0-2, the PAN paper's MLP
@@ -137,6 +138,8 @@ PRESETS = MappingProxyType({
     "cpu": Settings(hidden=CPU_HIDDEN, mixed=CPU_MIXED),
     "default": Settings(hidden=CPU_HIDDEN, mixed=CPU_MIXED),
     "paper": Settings(rounds=2000, seeds=(0, 1, 2)),
+    # The cpu preset's K = 100 settings alone (10 clients a round).
+    "cpu_k100": Settings(hidden=CPU_HIDDEN, mixed=CPU_MIXED, clients=(100,)),
     # Paper 001's FedALA table on Fashion-MNIST: its 14 methods, K = 20, both skews.
     "fedala_table": Settings(hidden=CPU_HIDDEN, mixed=CPU_MIXED,
                              algorithms=tuple(a for _, a in PAPER_METHODS),

@@ -569,7 +569,7 @@ def test_personalized_table_from_its_runs(tmp_path):
     mean of each run's last 3 evaluations, and costs are relative to FedAvg's."""
     from experiments import personalized
     from fedjax_pan import experiment
-    for preset in ("cpu", "paper", "fedala_table"):
+    for preset in ("cpu", "cpu_k100", "paper", "fedala_table"):
         s = personalized.PRESETS[preset]
         for skew in s.skews:
             for k in s.clients:
