@@ -3,6 +3,7 @@
 import os
 import sys
 import tempfile
+from typing import Any, NamedTuple
 
 # Compile time, not run time, dominates this suite on CPU. Tests therefore compile with
 # LLVM's optimisation off and XLA's older elemental emitters in place of its fusion
@@ -152,19 +153,52 @@ def reference_rounds(sim, algo, cd, variables, batch_size, rounds=2):
     return state
 
 
-def pfl_rounds(algo, cd, variables, strategy="vmap", rounds=2):
+def pfl_rounds(algo, cd, variables, strategy="vmap", rounds=2, on_host=False):
     """(simulation, [state after 0, 1, ..., rounds rounds], [each round's statistics]):
-    half the clients a round."""
+    half the clients a round. `on_host`: every state copied to the host as it comes (the
+    engine donates the states it steps from)."""
     from fedjax_pan.engine import Simulation, make_executor
     ex = make_executor(strategy, algo, PFL_WORK, cd, variables, 3)
     sim = Simulation(algo, cd, PFL_WORK, ex, participation=0.5, aggregation="num_examples",
                      seed=7)
-    states, stats = [sim.init(variables)], []
+    keep = jax.device_get if on_host else (lambda state: state)
+    state = sim.init(variables)
+    states, stats = [keep(state)], []
     for _ in range(rounds):
-        state, s = sim.round(states[-1])
-        states.append(state)
+        state, s = sim.round(state)
+        states.append(keep(state))
         stats.append(s)
     return sim, states, stats
+
+
+class Agreed(NamedTuple):
+    sim: Any
+    loop: list  # the loop executor's states, as `pfl_rounds` returns them
+    ref: Any  # the sequential reference's last state
+    loop_stats: list
+    vmap_stats: list
+
+
+def strategies_agree(algo, cd, variables, rounds=2, strategies=("loop", "vmap"),
+                     states_tol=1e-5):
+    """`rounds` of `pfl_rounds` under each of `strategies` against the sequential
+    `reference_rounds`: asserts the server states agree to 1e-5, the client states to
+    `states_tol` (0: exactly) and, where the algorithm has personal models, the models
+    the strategies evaluate to 1e-5. Returns the first strategy's run and the reference
+    (`Agreed`)."""
+    runs = [pfl_rounds(algo, cd, variables, s, rounds) for s in strategies]
+    sim = runs[0][0]
+    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size, rounds)
+    for _, states, _ in runs:
+        assert max_rel_err(states[-1].server, ref.server) < 1e-5
+        if ref.client_states is not None:
+            err = max_rel_err(states[-1].client_states, ref.client_states)
+            assert err == 0 if states_tol == 0 else err < states_tol
+    first = sim.personal_evaluation(runs[0][1][-1])
+    if first is not None:
+        for _, states, _ in runs[1:]:
+            assert max_rel_err(first, sim.personal_evaluation(states[-1])) < 1e-5
+    return Agreed(sim, runs[0][1], ref, runs[0][2], runs[1][2])
 
 
 def signal_on_call(monkeypatch, owner, name, sig, call, after=False):

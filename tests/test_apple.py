@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, reference_rounds
+from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import registry
 from fedjax_pan.algorithms.apple import apple, data_shares, regularizer_weight
 from fedjax_pan.algorithms.core import ClientContext, tree_bytes
@@ -18,20 +18,6 @@ from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.defaults import default_config
 
 
-def _rounds(algo, cd, variables, rounds):
-    """`pfl_rounds`' run with every state copied to the host as it comes (the engine
-    donates the states it steps from)."""
-    from fedjax_pan.engine import Simulation, make_executor
-    ex = make_executor("vmap", algo, PFL_WORK, cd, variables, 3)
-    sim = Simulation(algo, cd, PFL_WORK, ex, participation=0.5, aggregation="num_examples",
-                     seed=7)
-    state = sim.init(variables)
-    states, stats = [jax.device_get(state)], []
-    for _ in range(rounds):
-        state, s = sim.round(state)
-        states.append(jax.device_get(state))
-        stats.append(s)
-    return sim, states, stats
 
 
 class Linear(nn.Module):
@@ -121,7 +107,8 @@ def test_schedule_and_data_shares():
 def test_rounds_train_only_the_sampled_clients_cores_and_dr_vectors():
     cd, model, variables, tx = pfl_setup()
     k = cd.num_clients
-    sim, states, stats = _rounds(apple(model, tx, 0.05, k, dr_lr=1.0), cd, variables, 2)
+    sim, states, stats = pfl_rounds(apple(model, tx, 0.05, k, dr_lr=1.0), cd, variables,
+                                    rounds=2, on_host=True)
     one = tree_bytes(variables["params"])
     assert [s["download_bytes"] for s in stats] == [3.0 * k * one] * 2
     for r in (0, 1):
@@ -167,14 +154,7 @@ def test_a_zero_dr_rate_keeps_every_client_on_the_mean_of_the_cores():
 def test_loop_vmap_and_reference_agree(norm):
     cd, model, variables, tx = pfl_setup(norm=norm)
     algo = apple(model, tx, 0.05, cd.num_clients, dr_lr=1.0, mu=0.5, schedule_rounds=3)
-    sim, loop, _ = pfl_rounds(algo, cd, variables, "loop", rounds=3)
-    _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap", rounds=3)
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size, rounds=3)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) < 1e-5
-    assert max_rel_err(sim.personal_evaluation(loop[-1]),
-                       sim.personal_evaluation(vmap[-1])) < 1e-5
+    sim, loop, ref = strategies_agree(algo, cd, variables, rounds=3)[:3]
 
 
 def test_options_are_checked():

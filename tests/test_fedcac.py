@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, reference_rounds
+from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import fedavg, registry
 from fedjax_pan.algorithms.core import RoundInfo, tree_bytes
 from fedjax_pan.algorithms.fedcac import critical_mask, fedcac
@@ -98,27 +98,13 @@ def test_the_server_builds_customised_models_by_hand():
     np.testing.assert_array_equal(np.asarray(new.built), [1, 0, 1, 0, 1, 1])
 
 
-def _rounds(algo, cd, variables, rounds):
-    """`pfl_rounds`' run with every state copied to the host as it comes (the engine
-    donates the states it steps from)."""
-    from fedjax_pan.engine import Simulation, make_executor
-    ex = make_executor("vmap", algo, PFL_WORK, cd, variables, 3)
-    sim = Simulation(algo, cd, PFL_WORK, ex, participation=0.5, aggregation="num_examples",
-                     seed=7)
-    state = sim.init(variables)
-    states, stats = [jax.device_get(state)], []
-    for _ in range(rounds):
-        state, s = sim.round(state)
-        states.append(jax.device_get(state))
-        stats.append(s)
-    return sim, states, stats
 
 
 @pytest.mark.slow
 def test_tau_zero_is_fedavg():
     cd, model, variables, tx = pfl_setup()
-    _, cac, _ = _rounds(fedcac(model, tx, 6, tau=0.0), cd, variables, 2)
-    _, avg, _ = _rounds(fedavg(model, tx), cd, variables, 2)
+    _, cac, _ = pfl_rounds(fedcac(model, tx, 6, tau=0.0), cd, variables, rounds=2, on_host=True)
+    _, avg, _ = pfl_rounds(fedavg(model, tx), cd, variables, rounds=2, on_host=True)
     assert max_rel_err(cac[-1].server.params, avg[-1].server.params) < 1e-6
 
 
@@ -126,7 +112,7 @@ def test_tau_zero_is_fedavg():
 def test_clients_keep_critical_parameters_from_their_customised_models():
     cd, model, variables, tx = pfl_setup()
     algo = fedcac(model, tx, 6, tau=0.5, beta=2)
-    sim, states, stats = _rounds(algo, cd, variables, 3)
+    sim, states, stats = pfl_rounds(algo, cd, variables, rounds=3, on_host=True)
     last, cs = states[3].server, states[3].client_states
     mine = sim.personal_evaluation(states[3])
     sampled = {int(k) for r in range(3) for k in sim.sample(r)}
@@ -160,14 +146,7 @@ def test_clients_keep_critical_parameters_from_their_customised_models():
 def test_loop_vmap_and_reference_agree():
     cd, model, variables, tx = pfl_setup()
     algo = fedcac(model, tx, 6, tau=0.5, beta=2)
-    sim, loop, _ = pfl_rounds(algo, cd, variables, "loop", rounds=3)
-    _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap", rounds=3)
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size, rounds=3)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) < 1e-5
-    assert max_rel_err(sim.personal_evaluation(loop[-1]),
-                       sim.personal_evaluation(vmap[-1])) < 1e-5
+    sim, loop, ref = strategies_agree(algo, cd, variables, rounds=3)[:3]
 
 
 def test_options_are_checked():

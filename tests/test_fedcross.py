@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, reference_rounds
+from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import fedavg, registry
 from fedjax_pan.algorithms.core import RoundInfo
 from fedjax_pan.algorithms.fedcross import STRATEGIES, collaborators, fedcross
@@ -114,14 +114,7 @@ def test_alpha_one_is_local_training_and_a_whole_first_stage_is_fedavg():
 def test_loop_vmap_and_reference_agree():
     cd, model, variables, tx = pfl_setup()
     algo = fedcross(model, tx, 6, alpha=0.8)
-    sim, loop, _ = pfl_rounds(algo, cd, variables, "loop", rounds=3)
-    _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap", rounds=3)
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size, rounds=3)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) < 1e-5
-    assert max_rel_err(sim.personal_evaluation(loop[-1]),
-                       sim.personal_evaluation(vmap[-1])) < 1e-5
+    sim, loop, ref = strategies_agree(algo, cd, variables, rounds=3)[:3]
 
 
 def test_options_are_checked():

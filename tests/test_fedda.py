@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, reference_rounds
+from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.algorithms.fedda import fedda, head_distance
 from fedjax_pan.algorithms.moon import _WithFeatures
@@ -110,11 +110,4 @@ def test_bad_options_raise():
 def test_loop_vmap_and_reference_agree():
     cd, model, variables, tx = pfl_setup()
     algo = fedda(model, tx, lam=0.5)
-    sim, loop, _ = pfl_rounds(algo, cd, variables, "loop")
-    _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap")
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) < 1e-5
-    assert max_rel_err(sim.personal_evaluation(loop[-1]),
-                       sim.personal_evaluation(vmap[-1])) < 1e-5
+    sim, loop, ref = strategies_agree(algo, cd, variables)[:3]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, reference_rounds
+from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import fedavg, registry
 from fedjax_pan.algorithms.core import ClientContext, tree_bytes
 from fedjax_pan.algorithms.feddbe import feddbe
@@ -97,20 +97,6 @@ def test_a_local_step_follows_the_formulas_by_hand():
                                (x.reshape(5, -1) @ a + c) @ w + b, rtol=1e-5, atol=1e-6)
 
 
-def _rounds(algo, cd, variables, rounds):
-    """`pfl_rounds`' run with every state copied to the host as it comes (the engine
-    donates the states it steps from)."""
-    from fedjax_pan.engine import Simulation, make_executor
-    ex = make_executor("vmap", algo, PFL_WORK, cd, variables, 3)
-    sim = Simulation(algo, cd, PFL_WORK, ex, participation=0.5, aggregation="num_examples",
-                     seed=7)
-    state = sim.init(variables)
-    states, stats = [jax.device_get(state)], []
-    for _ in range(rounds):
-        state, s = sim.round(state)
-        states.append(jax.device_get(state))
-        stats.append(s)
-    return sim, states, stats
 
 
 @pytest.mark.slow
@@ -118,8 +104,8 @@ def _rounds(algo, cd, variables, rounds):
 def test_round_zero_is_fedavg_and_the_global_mean_is_estimated_then_frozen(mean_rounds):
     cd, model, variables, tx = pfl_setup()
     algo = feddbe(model, tx, kl_weight=1.0, mean_rounds=mean_rounds)
-    sim, states, stats = _rounds(algo, cd, variables, 3)
-    _, avg, _ = _rounds(fedavg(model, tx), cd, variables, 1)
+    sim, states, stats = pfl_rounds(algo, cd, variables, rounds=3, on_host=True)
+    _, avg, _ = pfl_rounds(fedavg(model, tx), cd, variables, rounds=1, on_host=True)
     assert max_rel_err(states[1].server.base.params, avg[1].server.params) < 1e-6
     # Round 0: no PRBM yet; later rounds' clients learn theirs.
     assert np.all(np.asarray(states[1].client_states["client_mean"]) == 0)
@@ -149,14 +135,7 @@ def test_round_zero_is_fedavg_and_the_global_mean_is_estimated_then_frozen(mean_
 def test_loop_vmap_and_reference_agree():
     cd, model, variables, tx = pfl_setup()
     algo = feddbe(model, tx, kl_weight=1.0, mean_rounds=2)
-    sim, loop, _ = pfl_rounds(algo, cd, variables, "loop", rounds=3)
-    _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap", rounds=3)
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size, rounds=3)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) < 1e-5
-    assert max_rel_err(sim.personal_evaluation(loop[-1]),
-                       sim.personal_evaluation(vmap[-1])) < 1e-5
+    sim, loop, ref = strategies_agree(algo, cd, variables, rounds=3)[:3]
 
 
 def test_options_are_checked():

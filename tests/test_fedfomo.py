@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, reference_rounds
+from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import registry
 from fedjax_pan.algorithms.core import ClientContext, tree_bytes
 from fedjax_pan.algorithms.fedfomo import fedfomo
@@ -112,20 +112,6 @@ def test_no_positive_weight_keeps_the_clients_model():
                                    rtol=1e-6, atol=1e-7)
 
 
-def _rounds(algo, cd, variables, rounds):
-    """`pfl_rounds`' run with every state copied to the host as it comes (the engine
-    donates the states it steps from)."""
-    from fedjax_pan.engine import Simulation, make_executor
-    ex = make_executor("vmap", algo, PFL_WORK, cd, variables, 3)
-    sim = Simulation(algo, cd, PFL_WORK, ex, participation=0.5, aggregation="num_examples",
-                     seed=7)
-    state = sim.init(variables)
-    states, stats = [jax.device_get(state)], []
-    for _ in range(rounds):
-        state, s = sim.round(state)
-        states.append(jax.device_get(state))
-        stats.append(s)
-    return sim, states, stats
 
 
 @pytest.mark.slow
@@ -133,7 +119,7 @@ def test_rounds_store_models_and_grow_affinities_by_the_weights_mixed():
     cd, model, variables, tx = pfl_setup()
     m = 3
     algo = fedfomo(model, tx, cd.num_clients, 0.3, m=m)
-    sim, states, stats = _rounds(algo, cd, variables, 3)
+    sim, states, stats = pfl_rounds(algo, cd, variables, rounds=3, on_host=True)
     # Round 0: every stored model is the initial one, equal to each client's old model:
     # all weights 0, P stays the identity, clients start from the initial model.
     np.testing.assert_array_equal(states[1].server.affinity, np.eye(cd.num_clients))
@@ -177,14 +163,7 @@ def test_rounds_store_models_and_grow_affinities_by_the_weights_mixed():
 def test_loop_vmap_and_reference_agree(norm):
     cd, model, variables, tx = pfl_setup(norm=norm)
     algo = fedfomo(model, tx, cd.num_clients, 0.3, m=3)
-    sim, loop, _ = pfl_rounds(algo, cd, variables, "loop", rounds=3)
-    _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap", rounds=3)
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size, rounds=3)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) < 1e-5
-    assert max_rel_err(sim.personal_evaluation(loop[-1]),
-                       sim.personal_evaluation(vmap[-1])) < 1e-5
+    sim, loop, ref = strategies_agree(algo, cd, variables, rounds=3)[:3]
     assert np.max(np.abs(np.asarray(ref.server.affinity) - np.eye(cd.num_clients))) > 1e-3
 
 

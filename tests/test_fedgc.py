@@ -9,8 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import (PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup,
-                      reference_rounds)
+from conftest import PFL_LR, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan import models
 from fedjax_pan.algorithms import registry
 from fedjax_pan.algorithms.fedgc import UNHELD_BIAS, fedgc, regulariser
@@ -171,11 +170,4 @@ def test_the_config_builds_it_and_bad_options_are_refused():
 def test_loop_vmap_and_the_reference_agree():
     cd, model, variables, tx = pfl_setup()
     algo = fedgc(model, tx, cd.num_clients, 0.5)
-    sim, loop, _ = pfl_rounds(algo, cd, variables, "loop")
-    _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap")
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) == 0
-    assert max_rel_err(sim.personal_evaluation(loop[-1]),
-                       sim.personal_evaluation(vmap[-1])) < 1e-5
+    sim, loop, ref = strategies_agree(algo, cd, variables, states_tol=0)[:3]

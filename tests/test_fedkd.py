@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, reference_rounds
+from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext, tree_bytes
 from fedjax_pan.algorithms.fedkd import compress_tree, energy, fedkd, svd_compress
@@ -237,12 +237,7 @@ def test_config_runs_several_networks(tmp_path):
 def test_loop_vmap_and_reference_agree():
     cd, model, variables, tx = pfl_setup()
     algo = _fedkd(model, tx, t_start=0.6, t_end=0.7, rounds=2)
-    sim, loop, loop_stats = pfl_rounds(algo, cd, variables, "loop")
-    _, vmap, vmap_stats = pfl_rounds(algo, cd, variables, "vmap")
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) < 1e-5
+    sim, loop, ref, loop_stats, vmap_stats = strategies_agree(algo, cd, variables)
     assert [s["upload_bytes"] for s in loop_stats] == [s["upload_bytes"] for s in vmap_stats]
     teachers = sim.personal_evaluation(loop[-1])
     assert max_rel_err(teachers, loop[-1].client_states["teacher"]) == 0

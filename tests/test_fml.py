@@ -9,8 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from conftest import (PFL_WORK, max_rel_err, pfl_rounds, pfl_setup,
-                      reference_rounds)
+from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.algorithms.fedavg import fedavg
@@ -176,10 +175,5 @@ def test_config_runs_several_networks(tmp_path):
 def test_loop_vmap_and_reference_agree():
     cd, model, variables, tx = pfl_setup()
     algo = _fml(model, tx, alpha=0.5, beta=0.5)
-    sim, loop, _ = pfl_rounds(algo, cd, variables, "loop")
-    _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap")
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) < 1e-5
+    sim, loop, ref = strategies_agree(algo, cd, variables)[:3]
     assert max_rel_err(sim.personal_evaluation(loop[-1]), loop[-1].client_states) == 0

@@ -10,7 +10,7 @@ import optax
 import pytest
 from flax import traverse_util
 
-from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, reference_rounds
+from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import fedavg, registry
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.algorithms.partialfed import partial_init, partialfed, strategy_noise
@@ -181,12 +181,5 @@ def test_loop_vmap_and_reference_agree(strategy):
     cfg.optimizer.lr, cfg.optimizer.momentum, cfg.optimizer.warmup = PFL_LR, 0.9, "none"
     cfg.local.epochs, cfg.partialfed.strategy_epochs = PFL_WORK.epochs, 0.5
     algo = registry.from_config(model, cfg)
-    sim, loop, _ = pfl_rounds(algo, cd, variables, "loop", rounds=3)
-    _, vmap, _ = pfl_rounds(algo, cd, variables, "vmap", rounds=3)
-    ref = reference_rounds(sim, algo, cd, variables, PFL_WORK.batch_size, rounds=3)
-    for got in (loop[-1], vmap[-1]):
-        assert max_rel_err(got.server, ref.server) < 1e-5
-        assert max_rel_err(got.client_states, ref.client_states) < 1e-5
-    assert max_rel_err(sim.personal_evaluation(loop[-1]),
-                       sim.personal_evaluation(vmap[-1])) < 1e-5
+    sim, loop, ref = strategies_agree(algo, cd, variables, rounds=3)[:3]
     assert max_rel_err(ref.server.params, variables["params"]) > 1e-3

@@ -54,9 +54,8 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         server_model)
-from fedjax_pan.algorithms.fedrod import _check_head
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -126,7 +125,7 @@ def fedas(model: nn.Module, client_tx: optax.GradientTransformation, align_share
     net = _WithFeatures(model)
 
     def dims(params) -> Tuple[int, int]:
-        _check_head(params)
+        linear_head(params, "FedAS")
         return params[HEAD]["kernel"].shape  # (D, C)
 
     def server_init(variables):

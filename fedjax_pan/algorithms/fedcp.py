@@ -159,10 +159,6 @@ class CPNet(NamedTuple):
                                extra["context"], self.tau)
 
 
-def _check_head(params: PyTree) -> None:
-    linear_head(params, "FedCP")
-
-
 def fedcp(model: nn.Module, client_tx: optax.GradientTransformation,
           server_tx: optax.GradientTransformation = optax.sgd(1.0), *, lam: float = 1.0,
           tau: float = 1.0, seed: int = 0) -> FederatedAlgorithm:
@@ -177,7 +173,7 @@ def fedcp(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        _check_head(params)
+        linear_head(params, "FedCP")
         dim = params[HEAD]["kernel"].shape[0]
         cs = init_cs(jax.random.fold_in(key0, 0), dim)
         context0 = jax.random.uniform(jax.random.fold_in(key0, 1), (dim,), jnp.float32)

@@ -40,9 +40,8 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
                                         server_model, tree_bytes)
-from fedjax_pan.algorithms.fedcp import _check_head
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -82,7 +81,7 @@ def fedda(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        _check_head(params)
+        linear_head(params, "FedDA")
         return DaServer(params, model_state, server_tx.init(params[HEAD]),
                         jnp.zeros((), jnp.int32))
 

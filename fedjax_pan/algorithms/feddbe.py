@@ -58,9 +58,8 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
 from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.algorithms.fedrod import _check_head
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -117,7 +116,7 @@ def feddbe(model: nn.Module, client_tx: optax.GradientTransformation,
     net = _WithFeatures(model)
 
     def width(params):
-        _check_head(params)
+        linear_head(params, "FedDBE")
         return params[HEAD]["kernel"].shape[0]
 
     def server_init(variables):

@@ -54,9 +54,8 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         server_model, tree_bytes)
-from fedjax_pan.algorithms.fedcp import _check_head
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -164,7 +163,7 @@ def fedpac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        _check_head(params)
+        linear_head(params, "FedPAC")
         dim, classes = params[HEAD]["kernel"].shape
         heads = tree_map(lambda x: jnp.broadcast_to(x, (num_clients, *x.shape)), params[HEAD])
         return PacServer(params, model_state, jnp.zeros((classes, dim), jnp.float32),

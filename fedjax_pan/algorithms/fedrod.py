@@ -37,10 +37,6 @@ def balanced_softmax_sum(logits: jax.Array, labels: jax.Array, mask: jax.Array,
     return local_lib.masked_cross_entropy(logits + log_prior, labels, mask)
 
 
-def _check_head(params: PyTree) -> None:
-    linear_head(params, "FedRoD")
-
-
 def fedrod(model: nn.Module, client_tx: optax.GradientTransformation,
            server_tx: optax.GradientTransformation = optax.sgd(1.0)
            ) -> FederatedAlgorithm:
@@ -50,7 +46,7 @@ def fedrod(model: nn.Module, client_tx: optax.GradientTransformation,
     net = _WithFeatures(model)
 
     def client_state_init(server):
-        _check_head(server.params)
+        linear_head(server.params, "FedRoD")
         return {"head": server.params[HEAD]}
 
     def client_init(server, client_state, ctx):

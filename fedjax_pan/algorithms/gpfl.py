@@ -51,9 +51,9 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
-from fedjax_pan.algorithms.fedcp import LN_EPS, _check_head
+from fedjax_pan.algorithms.fedcp import LN_EPS
 from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -164,7 +164,7 @@ def gpfl(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        _check_head(params)
+        linear_head(params, "GPFL")
         dim, classes = params[HEAD]["kernel"].shape
         gce = jax.random.normal(jax.random.fold_in(key0, 0), (classes, dim), jnp.float32)
         cov = init_cov(jax.random.fold_in(key0, 1), dim)

@@ -80,6 +80,7 @@ class Groups:
         self._check_outputs()
         self._updates = [jax.jit(a.server_update) for a in self.algorithms]
         self._finalize = jax.jit(self.algorithms[0].aggregator.finalize)
+        self._model_bytes: Dict[int, int] = {}
         self._scatter = jax.jit(lambda all_, rows, new: jax.tree_util.tree_map(
             lambda x, y: x.at[rows].set(y), all_, new))
 
@@ -154,9 +155,11 @@ class Groups:
 
     def _download(self, a: int, server: PyTree, rows: np.ndarray, r: int) -> float:
         count = self.algorithms[a].download_bytes
-        if count is None:
-            each = tree_bytes(jax.eval_shape(self.algorithms[a].eval_variables, server))
-            return float(len(rows) * each)
+        if count is None:  # the group's model, whose size never changes: counted once
+            if a not in self._model_bytes:
+                self._model_bytes[a] = tree_bytes(
+                    jax.eval_shape(self.algorithms[a].eval_variables, server))
+            return float(len(rows) * self._model_bytes[a])
         each = np.asarray(count(server, jnp.asarray(rows, jnp.int32), jnp.int32(r)), np.int64)
         return float(np.broadcast_to(each, (len(rows),)).sum())
 
