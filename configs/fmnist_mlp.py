@@ -50,9 +50,9 @@ def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
         c.optimizer.warmup = "none"
         c.checkpoint_every = 1
         # Phases taken out of local.epochs = 1, so `--config.algorithm=fedrep` (or ktpfl,
-        # fedproto, fedgh, fedpcl) runs on this preset as it is.
+        # fedgh, fedpcl) runs on this preset as it is.
         c.fedrep.head_epochs = c.ktpfl.distill_epochs = 0.5
-        c.fedproto.collect_epochs = c.fedgh.collect_epochs = c.fedpcl.collect_epochs = 0.5
+        c.fedgh.collect_epochs = c.fedpcl.collect_epochs = 0.5
     elif preset == "multiprocess":
         c.rounds = 4
         c.partition.num_clients = 20

@@ -13,6 +13,10 @@ Presets (`--config=configs/fmnist_robust.py:<preset>`):
             both: FedAvg, Multi-Krum (f = 4), RFA (geometric median), Zeno (b = 4), FedAsync
             and SageFlow (7 runs like the robustness script's, 30-75 s each on 2 CPU cores)
   sageflow  SageFlow alone under both
+  authors   SageFlow under both at the SageFlow authors' protocol (`Sageflow_both.sh`):
+            attackers exactly int(M ratio) = 4 of each round's 20 (attack.draw=per_round),
+            the first three free clients of a round late by 0, 1, 2 (straggler.forced),
+            plain SGD without weight decay or clipping
   smoke     3 tiny rounds of three variants, for tests
 Change the threat with e.g. `--config.attack.kind=label_shift`, `backdoor` (its success
 rate is logged), `--config.straggler.policy=ignore`, or `--config.straggler.max_delay=0`.
@@ -22,7 +26,7 @@ import ml_collections
 
 from fedjax_pan.defaults import default_config
 
-PRESETS = ("compare", "sageflow", "smoke")
+PRESETS = ("compare", "sageflow", "authors", "smoke")
 DEFENCES = {
     "fedavg": {"aggregation": {"rule": "mean"}},
     "multi_krum": {"aggregation": {"rule": "multi_krum", "byzantine": 4}},
@@ -54,6 +58,11 @@ def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
         c.variants = {"fedavg_no_threat": {**DEFENCES["fedavg"], **CLEAN}, **DEFENCES}
     elif preset == "sageflow":
         c.aggregation.rule = "sageflow"
+    elif preset == "authors":
+        c.aggregation.rule = "sageflow"
+        c.attack.draw = "per_round"
+        c.straggler.forced = (0, 1, 2)
+        c.optimizer.weight_decay, c.optimizer.grad_clip = 0.0, 0.0
     elif preset == "smoke":
         c.rounds = 3
         c.partition.num_clients, c.participation = 20, 0.2
@@ -64,7 +73,7 @@ def get_config(preset: str = "compare") -> ml_collections.ConfigDict:
         c.model.options = {"hidden": [64, 64]}
         # Phases taken out of local.epochs = 1, so other algorithms run on this preset.
         c.fedrep.head_epochs = c.ktpfl.distill_epochs = 0.5
-        c.fedproto.collect_epochs = c.fedgh.collect_epochs = c.fedpcl.collect_epochs = 0.5
+        c.fedgh.collect_epochs = c.fedpcl.collect_epochs = 0.5
         c.variants = {"fedavg_no_threat": {**DEFENCES["fedavg"], **CLEAN},
                       "fedavg": DEFENCES["fedavg"], "sageflow": DEFENCES["sageflow"]}
     else:

@@ -8,8 +8,9 @@ Part 1, tampering. One seed, three runs of the same federation and training:
   chain     4 validators (f = 1), validator 0 tampering the same way from the same round:
             its proposals are rejected (the next proposer commits), accuracy is the honest
             run's to the bit
-Each run's ledger is then audited (`fedjax_pan.ledger.verify`): the central server's first
-tampered block is located.
+Each run's ledger is then audited (`fedjax_pan.ledger.verify`) against the trust anchor
+its summary records (validator keys, each channel's head hash and height): the central
+server's first tampered block is located.
 
 Part 2, cost. Honest FLChain for `cost_rounds` rounds at each number of validators and
 channels (the devices split over the channels, which share the validators' links and
@@ -111,11 +112,12 @@ def cost_configs(s: Settings, seed: int) -> List[Tuple[str, Any]]:
     return out
 
 
-def audit(run_dir: str) -> str:
-    """'verified', or the audit's one line locating the fault."""
+def audit(run_dir: str, anchor: Optional[Dict[str, Any]] = None) -> str:
+    """'verified' (against `anchor`, the run's summary's, where given), or the audit's one
+    line locating the fault."""
     from fedjax_pan import ledger
     try:
-        ledger.verify(run_dir)
+        ledger.verify(run_dir, anchor=anchor)
         return "verified"
     except ledger.LedgerError as e:
         return str(e).replace(os.path.join(run_dir, ""), "")
@@ -169,8 +171,11 @@ def run(s: Settings, ctx: common.Context) -> List[str]:
     cost = cost_configs(s, ctx.seed)
     results = common.train_runs(ctx, tamper + cost)
     curves = {name: c for (name, _), (_, _, c) in zip(tamper + cost, results)}
+    anchors = {name: summary.get("ledger_anchor")
+               for (name, _), (summary, _, _) in zip(tamper + cost, results)}
     runs = lambda name: ctx.path(os.path.join("runs", name))
-    rows = [tamper_row(name, curves[name], s, audit(runs(name))) for name, _ in tamper]
+    rows = [tamper_row(name, curves[name], s, audit(runs(name), anchors[name]))
+            for name, _ in tamper]
     costs = [cost_row(name, cfg, runs(name), curves[name]) for name, cfg in cost]
     common.write_csv(ctx.path("flchain_tamper.csv"), rows)
     common.write_csv(ctx.path("flchain_cost.csv"), costs)

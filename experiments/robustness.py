@@ -35,6 +35,10 @@ Presets:
   paper   the authors' 150 rounds, the PAN paper's MLP, seeds 0-2
   default the cpu preset
   smoke   synthetic data, a 16-wide MLP, K = 10, 3 rounds, one run of each kind
+  siren   the cpu preset's Byzantine Siren rows alone (8 runs)
+  authors the SageFlow scenarios under the SageFlow authors' protocol (AUTHORS: attackers
+          drawn per round, forced delays 0-2, their lr decay and backdoor settings), at
+          the cpu preset's size; authors_sageflow: its SageFlow rows at seed 0
 Outputs: robustness_runs.csv, robustness.csv, robustness.json, robustness.png (final
 accuracy per scenario), robustness_curves.png (accuracy against simulated time).
 """
@@ -90,6 +94,10 @@ class Settings:
     defences: Tuple[str, ...] = DEFENCES
     attacks: Tuple[str, ...] = tuple(ATTACKS)
     byzantine_clients: int = 10
+    byzantine_defences: Tuple[str, ...] = BYZANTINE_DEFENCES
+    # The SageFlow authors' protocol (`run_config`, AUTHORS) in place of ours.
+    authors: bool = False
+    methods: Tuple[str, ...] = ()  # SageFlow scenarios' methods to run (empty: all)
 
 
 PRESETS = MappingProxyType({
@@ -100,6 +108,13 @@ PRESETS = MappingProxyType({
                       clients=10, participation=0.5, public_size=100, target=0.2,
                       defences=("fedavg", "sageflow"), attacks=("model",),
                       byzantine_clients=6),
+    # The Byzantine table's Siren rows alone (the cpu preset's runs of them).
+    "siren": Settings(scenarios=("byzantine",), byzantine_defences=("siren",)),
+    # The SageFlow scenarios under the authors' protocol (AUTHORS), at the cpu preset's
+    # 30 rounds and 2NN; `authors_sageflow`: its SageFlow rows at seed 0 alone.
+    "authors": Settings(authors=True, scenarios=("stragglers", "adversaries", "both")),
+    "authors_sageflow": Settings(authors=True, seeds=(0,), methods=("sageflow",),
+                                 scenarios=("stragglers", "adversaries", "both")),
 })
 
 
@@ -118,26 +133,53 @@ class Job:
 def jobs(s: Settings) -> List[Job]:
     out = []
     for seed in s.seeds:
-        if "stragglers" in s.scenarios:
-            out += [Job("stragglers", "none", m, seed) for m in STRAGGLER_METHODS]
-        if "adversaries" in s.scenarios:
-            out.append(Job("adversaries", "none", "fedavg", seed))
-            out += [Job("adversaries", a, m, seed) for a in s.attacks for m in s.defences]
-        if "both" in s.scenarios:
-            out += [Job("both", a, m, seed) for a in s.attacks if a != "backdoor"
-                    for m in BOTH]
+        out += _sageflow_jobs(s, seed)
         if "byzantine" in s.scenarios:
-            out.append(Job("byzantine", "none", "fedavg", seed))
+            if "fedavg" in s.byzantine_defences:
+                out.append(Job("byzantine", "none", "fedavg", seed))
             out += [Job("byzantine", f"{a}_{int(100 * share)}", m, seed)
                     for a in BYZANTINE_ATTACKS for share in BYZANTINE_SHARES
-                    for m in BYZANTINE_DEFENCES
+                    for m in s.byzantine_defences
                     if not (m == "krum" and not _krum_fits(s, share))]
     return out
 
 
-def _attackers(fraction: float, per_round: int) -> int:
-    """The expected malicious clients a round: what Multi-Krum and Zeno are told."""
-    return int(round(fraction * per_round))
+def _sageflow_jobs(s: Settings, seed: int) -> List[Job]:
+    """The SageFlow scenarios' runs of one seed (those of `s.methods` when set)."""
+    out = []
+    if "stragglers" in s.scenarios:
+        out += [Job("stragglers", "none", m, seed) for m in STRAGGLER_METHODS]
+    if "adversaries" in s.scenarios:
+        out.append(Job("adversaries", "none", "fedavg", seed))
+        out += [Job("adversaries", a, m, seed) for a in s.attacks for m in s.defences]
+    if "both" in s.scenarios:
+        out += [Job("both", a, m, seed) for a in s.attacks if a != "backdoor"
+                for m in BOTH]
+    return [j for j in out if not s.methods or j.method in s.methods]
+
+
+def _attackers(fraction: float, per_round: int, authors: bool = False) -> int:
+    """The malicious clients a round, what Multi-Krum and Zeno are told: expected under
+    ours (a fixed set), exact under the authors' per-round draw (int(M fraction))."""
+    return int(per_round * fraction) if authors else int(round(fraction * per_round))
+
+
+# The SageFlow authors' protocol (savertm/Sageflow at e2b4204), per scenario, over ours:
+# attackers exactly int(M ratio) of each round's cohort (`Sageflow_synchronous_setup.py`,
+# `Sageflow.py`); the first three free clients of a round late by 0, 1, 2 (`Sageflow.py`);
+# plain SGD (no weight decay, no clipping) at lr 0.01 momentum 0.9 (`update.py`); the
+# adversaries-only run halves lr every 7 rounds (`scripts/Sageflow_only_ad.sh`, Fashion-
+# MNIST: --lrdecay 7), the runs with stragglers do not (`Sageflow_both.sh`: 2000); the
+# backdoor (`scripts/Sageflow_backdoor_only_ad.sh`, `backdoor_FL/options.py`): C 0.1,
+# B 64, one local epoch for the honest (`backdoor_FL/Sageflow_synchronous_setup.py`:
+# local_ep=1), weight decay 5e-4 (`backdoor_FL/update.py`), E_th 2 and delta 5, 10%
+# attackers from round 10.
+AUTHORS = {"attack.draw": "per_round", "optimizer.weight_decay": 0.0,
+           "optimizer.grad_clip": 0.0}
+AUTHORS_SYNC = {"optimizer.warmup": "halving", "optimizer.warmup_length": 7}
+AUTHORS_BACKDOOR = {"participation": 0.1, "local.batch_size": 64, "local.epochs": 1.0,
+                    "optimizer.weight_decay": 5e-4, "aggregation.sageflow.entropy_threshold":
+                    2.0, "aggregation.sageflow.delta": 5.0, "attack.start_round": 10}
 
 
 def _krum_fits(s: Settings, share: float) -> bool:
@@ -168,6 +210,11 @@ def run_config(s: Settings, job: Job):
                      "local.batch_size": 64})
     if s.hidden:
         keys["model.options"] = {"hidden": list(s.hidden)}
+    authors = s.authors and not byz
+    if authors:
+        keys.update(AUTHORS)
+        if job.scenario == "adversaries":
+            keys.update(AUTHORS_BACKDOOR if job.attack == "backdoor" else AUTHORS_SYNC)
     per_round = clients_per_round(keys["participation"], keys["partition.num_clients"])
     if job.scenario == "stragglers":
         rule, policy = STRAGGLER_METHODS[job.method]
@@ -178,17 +225,20 @@ def run_config(s: Settings, job: Job):
     keys["aggregation.rule"] = rule
     if policy is not None:
         keys.update({"straggler.max_delay": s.max_delay, "straggler.policy": policy})
+        if authors:
+            keys["straggler.forced"] = tuple(range(s.max_delay + 1))
     if job.attack != "none":
         if byz:
             kind, share = job.attack.rsplit("_", 1)
             attack = {"kind": BYZANTINE_ATTACKS[kind], "fraction": int(share) / 100}
         else:
             attack = dict(ATTACKS[job.attack])
-            if attack["kind"] == "backdoor":
+            if attack["kind"] == "backdoor" and not authors:
                 attack["start_round"] = s.rounds // 3
         keys.update({f"attack.{k}": v for k, v in attack.items()})
         if rule in ("multi_krum", "zeno"):
-            keys["aggregation.byzantine"] = _attackers(attack["fraction"], per_round)
+            keys["aggregation.byzantine"] = _attackers(attack["fraction"], per_round,
+                                                       authors)
     if job.method == "krum":
         keys["aggregation.krum_keep"] = 1
     if job.method == "siren":  # its clients keep 10% of their data to test on; root set 100

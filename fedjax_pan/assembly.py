@@ -232,9 +232,10 @@ def build(cfg: ml_collections.ConfigDict,
     round_fields = {}
     if cfg.privacy.clip > 0:
         k = len(parts)
-        ledger = privacy.Ledger(cfg.privacy.noise_multiplier, cfg.privacy.delta, cfg.sampling,
+        sampling = algorithms.registry.cohort_sampling(cfg)
+        ledger = privacy.Ledger(cfg.privacy.noise_multiplier, cfg.privacy.delta, sampling,
                                 k, clients_per_round(cfg.participation, k),
-                                cfg.participation if cfg.sampling == "poisson" else None)
+                                cfg.participation if sampling == "poisson" else None)
         round_fields["dp_epsilon"] = ledger.epsilon
     return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy,
                       probes=probes, round_fields=round_fields, **local)
@@ -284,7 +285,7 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                 ("straggler.max_delay", "0", cfg.straggler.max_delay == 0),
                 ("attack.kind", "'none'", cfg.attack.kind == "none" or attacks_handled),
                 *[(key, repr(off), _setting(cfg, key) == off) for key, off in COMMUNICATION],
-                ("sampling", "'uniform'", cfg.sampling == "uniform"),
+                ("sampling", "'uniform'", algorithms.registry.cohort_sampling(cfg) == "uniform"),
                 ("eval.finetune_epochs", "0", cfg.eval.finetune_epochs == 0)):
             require(off, f"config.{key} is not available with algorithm {cfg.algorithm!r} "
                     f"as configured (its rounds run on its own driver): set {key}={default}")
@@ -327,10 +328,12 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
     except ValueError as e:
         raise ConfigError(f"config.execution: {e}") from None
     st = cfg.straggler
-    stragglers = Stragglers(st.max_delay, st.policy, st.delays, st.slow_share, st.wait_share)
+    stragglers = Stragglers(st.max_delay, st.policy, st.delays, st.slow_share, st.wait_share,
+                            tuple(st.get("forced", ())))
     return Simulation(algorithm, client_data, work, executor, cfg.participation,
                       cfg.aggregation.weights, cfg.seed, stragglers=stragglers,
-                      sampling=cfg.sampling, states_in=cfg.execution.client_states,
+                      sampling=algorithms.registry.cohort_sampling(cfg),
+                      states_in=cfg.execution.client_states,
                       tuning=_tuning(cfg, model, variables, client_data, work))
 
 

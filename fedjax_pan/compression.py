@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pan.references import Reference
+
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 INDEX_BYTES = 4  # an int32 position
@@ -353,6 +355,55 @@ METHODS = ("none", "top_k", "random_k", "qsgd", "sign", "quantize", "magnitude_m
            "importance_mask")
 
 
+# Options of `config.compression` that are methods of their own (each with a reference).
+OPTIONS = ("error_feedback", "vote", "mask_before")
+_SLIDES = "Slides 001, compression part (post- and pre-training masks, Theta_p = Theta * M^P)"
+REFERENCES = {
+    "top_k": Reference(
+        "Aji & Heafield, EMNLP 2017 (sparse communication: the largest |x|); layer-wise "
+        "selection as Lin et al., ICLR 2018 (Deep Gradient Compression)", None,
+        ("k = ceil(ratio d) per leaf (DGC's layer-wise choice; Aji & Heafield use one global "
+         "threshold): a message's size is then known from shapes alone",
+         "ties at the k-th magnitude are broken by position (any k of them is a top-k)")),
+    "random_k": Reference(
+        "Konecny et al., 'Federated Learning: Strategies for Improving Communication "
+        "Efficiency', 2016 (random mask from a shared seed)", None,
+        ("config's random_k keeps the values unscaled, a biased compressor; "
+         "random_k(ratio, unbiased=True) is the unbiased d / k form",)),
+    "qsgd": Reference("Alistarh et al., NeurIPS 2017 (QSGD, Eq. of Q_s with s levels)", None,
+                      ("one bucket per leaf (the paper's bucket size d = the layer)",
+                       "the size counts 1 + ceil(log2(s + 1)) bits a value, without the "
+                       "paper's Elias coding (an upper bound on its bytes)")),
+    "sign": Reference(
+        "Karimireddy et al., ICML 2019 (EF-SGD's scaled sign ||p||_1 / d sign(p))", None,
+        ("per leaf, the scale over the values sent (the paper: one scale for the vector)",)),
+    "quantize": Reference(
+        "Uniform b-bit quantisation between the message's minimum and maximum with "
+        "unbiased stochastic rounding (Suresh et al., ICML 2017, stochastic k-level "
+        "quantisation)", None,
+        ("one [min, max] range per leaf; no rotation (Suresh et al.'s rotated variant)",)),
+    "magnitude_mask": Reference(_SLIDES + ": post-training magnitude mask, keeping the "
+                                "largest |w|", None,
+                                ("per leaf, k = ceil(ratio d) (the slides leave the scope "
+                                 "open)",)),
+    "importance_mask": Reference(
+        _SLIDES + ": importance mask |dL/dw * w|", None,
+        ("dL/dw is the round's summed gradient -(w - w_ref) / lr of plain local SGD, not a "
+         "fresh gradient: no extra pass over the data",)),
+    "error_feedback": Reference(
+        "Stich et al., NeurIPS 2018; Karimireddy et al., ICML 2019 (p = x + e, send C(p), "
+        "e <- p - C(p))", None, ()),
+    "vote": Reference("Bernstein et al., ICLR 2019 (signSGD with majority vote)", None,
+                      ("the server steps by the vote's sign times the clients' mean scale "
+                       "(the paper's step is the server learning rate); the scale keeps "
+                       "FedAvg's server rule unchanged",)),
+    "mask_before": Reference(
+        _SLIDES + ": pre-training mask, L_i = l(D_i, Theta) + lambda_1 ||Theta * M^r||_1",
+        None, ("the L1 term is applied as its proximal step (soft-thresholding by "
+               "lr lambda_1) after each local step, not through the loss's subgradient",)),
+}
+
+
 def from_name(name: str, ratio: float = 0.1, levels: int = 16, bits: int = 8,
               feedback: bool = False, quantize_bits: int = 0) -> Transform:
     """The transform `name` (METHODS), then `quantize_bits`-bit quantisation of the values
@@ -373,4 +424,4 @@ def from_name(name: str, ratio: float = 0.1, levels: int = 16, bits: int = 8,
 __all__ = ["Layout", "Context", "Transform", "dense_layout", "layouts", "message_bytes",
            "apply", "identity", "kept", "top_k_mask", "top_k", "random_k", "qsgd",
            "qsgd_bits", "sign", "quantize", "chain", "FeedbackState", "error_feedback",
-           "clip_by_norm", "METHODS", "from_name"]
+           "clip_by_norm", "METHODS", "OPTIONS", "REFERENCES", "from_name"]

@@ -44,6 +44,8 @@ def default_config() -> ml_collections.ConfigDict:
         "test_fraction": 0.0})
     c.local = ml_collections.ConfigDict({"epochs": 5.0, "batch_size": 64, "mode": "epochs",
                                          "local_steps": placeholder(int)})
+    # warmup 'rounds' / 'steps' ramps the rate up over warmup_length of them; 'halving'
+    # halves it every warmup_length rounds instead (the SageFlow authors' lrdecay).
     c.optimizer = ml_collections.ConfigDict({
         "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-5, "grad_clip": 100.0,
         "warmup": "rounds", "warmup_length": 10})
@@ -62,21 +64,24 @@ def default_config() -> ml_collections.ConfigDict:
         "krum_keep": placeholder(int),
         "zeno": {"rho": 5e-4},
         "sageflow": {"entropy_threshold": 1.0, "delta": 1.0, "lam": 0.5,
-                     "gamma_period": 20},
+                     "gamma_period": 20, "min_weight": 1e-3},
         "fedasync": {"mixing": 0.6, "staleness": "polynomial", "a": 0.5, "b": 4.0}})
     # Clients that answer late (engine/timing.py): delays uniform over {0..max_delay}, or
     # 'slow': a slow_share of the clients always max_delay late; the server waits for
     # all, waits for wait_share, ignores late outputs, or uses them stale. 0: none.
+    # forced: delays given to the first free clients of each round in sampling order (the
+    # SageFlow authors' (0, 1, 2): every staleness group gets one), the rest drawn.
     c.straggler = ml_collections.ConfigDict({"max_delay": 0, "delays": "uniform",
                                              "slow_share": 0.2, "policy": "stale",
-                                             "wait_share": 0.5})
-    # Malicious clients (algorithms/attacks.py): `fraction` of them, drawn once per seed,
-    # from round start_round; scale unset: the kind's default (model_poisoning 0.1,
-    # sign_flip 4, gaussian 1, backdoor's boost 10); backdoor: `poisoned` of each batch
+                                             "wait_share": 0.5, "forced": ()})
+    # Malicious clients (algorithms/attacks.py): `fraction` of them, drawn once per seed
+    # (draw 'fixed'), or exactly int(M fraction) of each round's cohort of M ('per_round',
+    # the SageFlow authors'), from round start_round; scale unset: the kind's default
+    # (model_poisoning 0.1, sign_flip 4, gaussian 1, backdoor's boost 10); backdoor: `poisoned` of each batch
     # carry the pattern and label `target`.
     c.attack = ml_collections.ConfigDict({"kind": "none", "fraction": 0.2, "start_round": 0,
                                           "scale": placeholder(float), "target": 2,
-                                          "poisoned": 20 / 64})
+                                          "poisoned": 20 / 64, "draw": "fixed"})
     # What clients send and receive (compression.py, algorithms/compressed.py): method
     # 'none', 'top_k' / 'random_k' (keep `ratio` of each layer), 'qsgd' (`levels`), 'sign',
     # 'quantize' (`bits`), or the post-training masks 'magnitude_mask' / 'importance_mask'
@@ -97,8 +102,9 @@ def default_config() -> ml_collections.ConfigDict:
     c.privacy = ml_collections.ConfigDict({
         "clip": 0.0, "noise_multiplier": 0.0, "delta": 1e-5, "adaptive": False,
         "quantile": 0.5, "clip_lr": 0.2, "count_std": placeholder(float)})
-    # 'uniform': round(R K) clients a round; 'poisson': each client with probability R.
-    c.sampling = "uniform"
+    # 'uniform': round(R K) clients a round; 'poisson': each client with probability R;
+    # 'auto': Poisson under DP-FedAvg (privacy.clip > 0; its analysis), else uniform.
+    c.sampling = "auto"
     # client_states: where the K clients' persistent states live, 'auto' (by size:
     # device, host, then disk) or one of 'device', 'host', 'disk' (engine/store.py).
     c.execution = ml_collections.ConfigDict({"strategy": "auto",

@@ -14,13 +14,44 @@ count). The global model's "state trie" is the Merkle tree over its leaves' reco
 order: `state_root`, whose per-leaf proofs would locate a changed layer.
 
 A block: {"header": ..., "hash": sha256(canonical(header)), "transactions": [...],
-"votes": [{"validator", "signature"}]}. Its header holds the channel, height, round, the
-previous block's hash, the Merkle root of its transactions, the state root and digest of
-the global model it commits, its proposer, the proposals rejected before it, and its
-simulated timing. Votes are Ed25519 signatures of the block hash by the validators that
-accepted it. Transactions are signed by their devices (Ed25519, keys drawn from the seed).
+"votes": [{"validator", "signature"}]}, with exactly these keys (as are a transaction's,
+a vote's and a header's: `BLOCK_KEYS` and the rest; any key extra or missing is a fault).
+Its header holds the channel, height, round, the previous block's hash and the digest of
+the previous block's votes (`votes_digest`: so every vote but the head's is hashed into
+the chain, as Tendermint's LastCommitHash), the Merkle root of its transactions, the state
+root and digest of the global model it commits, its proposer, the proposals rejected before
+it, and its simulated timing. A genesis header names the ledger format (`LEDGER_FORMAT`),
+the validators' public keys, the quorum, the initial model and the update rule. Votes are
+Ed25519 signatures of the block hash by the validators that accepted it, sorted by
+validator, one each; the quorum counts distinct validators of the genesis's (distinct)
+keys. Transactions are signed by their devices.
 
-    python -m fedjax_pan.ledger WORKDIR    # verify a run's ledger; exit 1 naming the fault
+Keys (`Keys`): every device's and validator's Ed25519 key is drawn from the OS's entropy
+(`os.urandom`), never from the config's seed (config.json would hand them to anyone who
+reads it), so a run's numbers stay a function of the seed alone: keys only sign. The
+private keys never enter the ledger; they live in `<workdir>/keys/keys.json` (folder mode
+0700, file 0600), which a resumed run needs (`--resume` refuses without it).
+
+Trust anchor (`anchor`): whoever holds the keys can re-sign any history, and whoever
+controls the folder can cut its end off; the internal checks cannot tell. The anchor, taken
+at the end of a run, is {"ledger_format", "validators_sha256": `fingerprint` of the
+genesis's validator keys, "channels": [{"channel", "height", "head": the head block's hash,
+"head_votes": the `votes_digest` of its votes}]}. The run records it in its summary.json
+(`ledger_anchor`) and prints it; its owner keeps a copy outside the workdir, since an
+anchor inside the folder an attacker controls anchors nothing.
+
+What `verify` checks: every object against its digest; each block's exact keys, hash,
+previous-block link, previous votes' digest, Merkle root, votes (signature, order, one per
+validator, quorum), every transaction's signature and round, and every global model
+recomputed from the stored updates; with `validators`, the genesis's validator keys; with
+`anchor`, those keys and each channel's head hash, its votes and its height (a block
+deleted from the end, or one appended). Without an anchor it checks internal consistency
+only, and says so (`counts["anchored"]` False).
+
+    python -m fedjax_pan.ledger WORKDIR [--anchor FILE] [--validators sha256:HEX|FILE]
+        exit 0 verified, 1 a fault named in one line, 2 bad input (or a ledger format this
+        verifier does not read); without --anchor, the anchor in WORKDIR/summary.json is
+        used, with a note that it only binds a folder nobody else wrote
 """
 
 from __future__ import annotations
@@ -30,7 +61,7 @@ import json
 import os
 import struct
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import numpy as np
@@ -41,23 +72,60 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import (Ed25519PrivateKey
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.errors import RunError
 
-__all__ = ["LedgerError", "canonical", "sha256", "merkle_root", "encode_tree",
-           "decode_tree", "encode_with_root", "state_root", "signing_key", "public_hex", "sign",
-           "signature_valid", "transaction", "registration", "tx_body", "block_hash",
-           "Ledger", "verify", "quorum", "tolerated"]
+__all__ = ["LedgerError", "LedgerFormatError", "LEDGER_FORMAT", "canonical", "sha256",
+           "merkle_root", "encode_tree", "decode_tree", "encode_with_root", "state_root",
+           "new_key", "Keys", "keys_path", "public_hex", "sign", "signature_valid",
+           "transaction", "registration", "tx_body", "block_hash", "votes_digest",
+           "fingerprint", "anchor", "read_anchor", "Ledger", "verify", "quorum", "tolerated"]
 
+# 1: the first ledgers (keys drawn from the seed, no format field, votes outside the chain);
+# 2: keys from the OS, `prev_votes` in every header, exact key sets, a trust anchor.
+LEDGER_FORMAT = 2
 GENESIS_PREV = "0" * 64
 # Domain separation: a signature over one kind of message is never valid for another.
 TX_DOMAIN = b"fedjax_pan/flchain/transaction\n"
 VOTE_DOMAIN = b"fedjax_pan/flchain/vote\n"
-_KEY_STREAM = 0xF1C4
-ROLES = {"device": 0, "validator": 1}
+KEYS_DIR, KEYS_FILE = "keys", "keys.json"  # under the workdir; never inside the ledger
+# Each object's exact keys (a key extra or missing is a fault).
+BLOCK_KEYS = frozenset({"header", "hash", "transactions", "votes"})
+GENESIS_KEYS = frozenset({"format", "channel", "height", "round", "prev_hash", "tx_root",
+                          "state_root", "model", "rule", "validators", "quorum"})
+HEADER_KEYS = frozenset({"channel", "height", "round", "prev_hash", "prev_votes", "tx_root",
+                         "state_root", "model", "proposer", "rejected", "sim"})
+RULE_KEYS = frozenset({"optimizer", "lr", "momentum", "weights"})
+SIM_KEYS = frozenset({"seconds", "pool_seconds", "consensus_seconds", "download_seconds",
+                      "attempts"})
+REJECTED_KEYS = frozenset({"proposer", "votes", "reason"})
+UPDATE_KEYS = frozenset({"type", "channel", "round", "device", "digest", "examples", "bytes",
+                         "signature"})
+REGISTER_KEYS = frozenset({"type", "channel", "device", "public_key", "signature"})
+VOTE_KEYS = frozenset({"validator", "signature"})
+ANCHOR_KEYS = frozenset({"ledger_format", "validators_sha256", "channels"})
+ANCHOR_CHANNEL_KEYS = frozenset({"channel", "height", "head", "head_votes"})
 
 
 class LedgerError(RunError):
     """A ledger that does not verify: the message locates the fault in one line."""
 
     status = 1
+
+
+class LedgerFormatError(LedgerError):
+    """A ledger of a format this verifier does not read (bad input, not a found fault)."""
+
+    status = 2
+
+
+def key_fault(obj: Any, expected: frozenset, what: str) -> Optional[str]:
+    """Why `obj` is not a JSON object with exactly the keys `expected` (None: it is)."""
+    if not isinstance(obj, dict):
+        return f"{what} is not an object"
+    extra, missing = sorted(set(obj) - expected), sorted(expected - set(obj))
+    if extra or missing:
+        parts = ([f"the extra key(s) {', '.join(map(repr, extra))}"] if extra else []) + \
+            ([f"no {', '.join(map(repr, missing))}"] if missing else [])
+        return f"{what} has {' and '.join(parts)}"
+    return None
 
 
 def canonical(obj: Any) -> bytes:
@@ -157,16 +225,87 @@ def state_root(variables: Any) -> str:
 
 # --- keys and signatures -------------------------------------------------------------
 
-def signing_key(seed: int, role: str, index: int) -> Ed25519PrivateKey:
-    """Participant `index`'s Ed25519 key (role 'device' or 'validator'), drawn from the seed."""
-    rng = np.random.default_rng([seed, _KEY_STREAM, ROLES[role], index])
-    return Ed25519PrivateKey.from_private_bytes(rng.bytes(32))
+def new_key() -> Ed25519PrivateKey:
+    """A fresh Ed25519 key from the OS's entropy (never from a seed: see the module doc)."""
+    return Ed25519PrivateKey.from_private_bytes(os.urandom(32))
 
 
 def public_hex(key: Ed25519PrivateKey) -> str:
     from cryptography.hazmat.primitives import serialization
     return key.public_key().public_bytes(serialization.Encoding.Raw,
                                          serialization.PublicFormat.Raw).hex()
+
+
+def _private_hex(key: Ed25519PrivateKey) -> str:
+    from cryptography.hazmat.primitives import serialization
+    return key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                             serialization.NoEncryption()).hex()
+
+
+def keys_path(workdir: str) -> str:
+    """Where a run keeps its private keys: `<workdir>/keys/keys.json`."""
+    return os.path.join(workdir, KEYS_DIR, KEYS_FILE)
+
+
+class Keys(NamedTuple):
+    """A run's private keys: its validators' (by index) and its devices' (by device id)."""
+
+    validators: List[Ed25519PrivateKey]
+    devices: List[Ed25519PrivateKey]
+
+    @staticmethod
+    def generate(validators: int, devices: int) -> "Keys":
+        return Keys([new_key() for _ in range(validators)], [new_key() for _ in range(devices)])
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"ledger_format": LEDGER_FORMAT,
+                "validators": [_private_hex(k) for k in self.validators],
+                "devices": [_private_hex(k) for k in self.devices]}
+
+    @staticmethod
+    def from_json(obj: Any) -> "Keys":
+        """The keys `to_json` wrote; ValueError saying what is wrong."""
+        why = key_fault(obj, frozenset({"ledger_format", "validators", "devices"}), "it")
+        if why:
+            raise ValueError(why)
+        try:
+            return Keys(*[[Ed25519PrivateKey.from_private_bytes(bytes.fromhex(k))
+                           for k in obj[role]] for role in ("validators", "devices")])
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"a key is not 32 hex-encoded bytes ({e})") from None
+
+    def save(self, workdir: str) -> str:
+        """Writes the keys to `keys_path(workdir)` (folder 0700, file 0600, whole or not at
+        all); returns the path."""
+        path = keys_path(workdir)
+        folder = os.path.dirname(path)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)  # makedirs' mode is subject to the umask
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_json()))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    @staticmethod
+    def load(workdir: str) -> "Keys":
+        """The keys `save` wrote; OSError where the file is missing, ValueError where it is
+        not such a file."""
+        with open(keys_path(workdir)) as f:
+            text = f.read()
+        try:
+            obj = json.loads(text)
+        except ValueError:
+            raise ValueError("not JSON") from None
+        return Keys.from_json(obj)
 
 
 def sign(key: Ed25519PrivateKey, domain: bytes, message: bytes) -> str:
@@ -204,6 +343,86 @@ def registration(key: Ed25519PrivateKey, channel: int, device: int) -> Dict[str,
 
 def block_hash(header: Dict[str, Any]) -> str:
     return sha256(canonical(header))
+
+
+def votes_digest(votes: List[Dict[str, Any]]) -> str:
+    """The digest of a block's votes, which the next block's header (`prev_votes`) and the
+    anchor (`head_votes`) record."""
+    return sha256(canonical(votes))
+
+
+def fingerprint(validators: Sequence[str]) -> str:
+    """SHA-256 of the validators' public keys (hex, in index order) as canonical JSON."""
+    return sha256(canonical(list(validators)))
+
+
+def anchor(heads: Dict[int, Dict[str, Any]], validators: Sequence[str]) -> Dict[str, Any]:
+    """The trust anchor of a ledger whose channels end in `heads` ({channel: head block})
+    under genesis `validators` (public keys): see the module docstring."""
+    return {"ledger_format": LEDGER_FORMAT, "validators_sha256": fingerprint(validators),
+            "channels": [{"channel": j, "height": heads[j]["header"]["height"],
+                          "head": heads[j]["hash"], "head_votes": votes_digest(heads[j]["votes"])}
+                         for j in sorted(heads)]}
+
+
+def _hex64(x: Any) -> bool:
+    return isinstance(x, str) and len(x) == 64 and all(c in "0123456789abcdef" for c in x)
+
+
+def check_anchor(obj: Any) -> Dict[str, Any]:
+    """`obj` if it is an anchor (`anchor`'s form), else ValueError saying why."""
+    why = key_fault(obj, ANCHOR_KEYS, "the anchor")
+    if why is None and obj["ledger_format"] != LEDGER_FORMAT:
+        why = (f"the anchor is of ledger format {obj['ledger_format']}; this verifier reads "
+               f"format {LEDGER_FORMAT}")
+    if why is None and not _hex64(obj["validators_sha256"]):
+        why = "the anchor's validators_sha256 is not a SHA-256 in hex"
+    if why is None and not isinstance(obj["channels"], list):
+        why = "the anchor's channels are not a list"
+    for c in obj["channels"] if why is None else []:
+        why = why or key_fault(c, ANCHOR_CHANNEL_KEYS, "a channel of the anchor")
+        if why is None and not (isinstance(c["channel"], int) and isinstance(c["height"], int)
+                                and _hex64(c["head"]) and _hex64(c["head_votes"])):
+            why = f"the anchor's channel {c['channel']!r} is malformed"
+    if why is None and len({c["channel"] for c in obj["channels"]}) != len(obj["channels"]):
+        why = "the anchor names a channel twice"
+    if why:
+        raise ValueError(why)
+    return obj
+
+
+def read_anchor(path: str) -> Dict[str, Any]:
+    """The anchor in JSON file `path`: the anchor itself, or a run's summary.json holding it
+    (`ledger_anchor`). OSError or ValueError saying why not."""
+    with open(path) as f:
+        try:
+            obj = json.load(f)
+        except ValueError:
+            raise ValueError(f"{path} is not JSON") from None
+    if isinstance(obj, dict) and "ledger_anchor" in obj:
+        obj = obj["ledger_anchor"]
+    try:
+        return check_anchor(obj)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def read_validators(text: str) -> str:
+    """The validators' fingerprint `text` names: 'sha256:HEX' or HEX, or a JSON file holding
+    their public keys (a list), an anchor or a summary.json with one. ValueError/OSError."""
+    bare = text[len("sha256:"):] if text.startswith("sha256:") else text
+    if _hex64(bare.lower()) and not os.path.exists(text):
+        return bare.lower()
+    with open(text) as f:
+        try:
+            obj = json.load(f)
+        except ValueError:
+            raise ValueError(f"{text} is neither a SHA-256 fingerprint nor a JSON file") from None
+    if isinstance(obj, list) and all(_hex64(k) for k in obj) and obj:
+        return fingerprint(obj)
+    if isinstance(obj, dict) and ("ledger_anchor" in obj or "validators_sha256" in obj):
+        return read_anchor(text)["validators_sha256"]
+    raise ValueError(f"{text} holds neither a list of validators' public keys nor an anchor")
 
 
 def tolerated(n: int) -> int:
@@ -315,33 +534,74 @@ def check_transaction(tx: Dict[str, Any], channel: int, round_index: int,
 
 def check_votes(block: Dict[str, Any], validators: List[str], needed: int) -> Optional[str]:
     """Why `block`'s votes do not commit it (None: `needed` valid votes of distinct
-    validators sign its hash)."""
-    seen = set()
-    for vote in block["votes"]:
-        v = vote.get("validator")
-        if not isinstance(v, int) or not 0 <= v < len(validators) or v in seen:
-            return f"vote of validator {v!r} is not one validator's single vote"
+    validators, each {"validator", "signature"} and sorted by validator, sign its hash)."""
+    votes = block["votes"]
+    if not isinstance(votes, list):
+        return "its votes are not a list"
+    ids = []
+    for vote in votes:
+        why = key_fault(vote, VOTE_KEYS, "a vote")
+        if why:
+            return f"{why} (vote {len(ids)})"
+        v = vote["validator"]
+        if type(v) is not int or not 0 <= v < len(validators):
+            return f"vote of validator {v!r}: no such validator"
+        ids.append(v)
+    if len(set(ids)) != len(ids):
+        twice = next(v for v in ids if ids.count(v) > 1)
+        return f"vote of validator {twice} is not one validator's single vote (it votes twice)"
+    if ids != sorted(ids):
+        return f"its votes are not sorted by validator ({ids}: reordered)"
+    for vote in votes:
+        v = vote["validator"]
         if not signature_valid(validators[v], VOTE_DOMAIN, bytes.fromhex(block["hash"]),
-                               str(vote.get("signature", ""))):
+                               str(vote["signature"])):
             return f"vote of validator {v}: the signature does not sign the block's hash"
-        seen.add(v)
-    if len(seen) < needed:
-        return f"{len(seen)} votes commit it, and the quorum is {needed}"
+    if len(ids) < needed:
+        return f"{len(ids)} votes commit it, and the quorum is {needed}"
     return None
 
 
-def verify(workdir: str, *, progress: bool = False) -> Dict[str, int]:
-    """Replays the ledger of the run in `workdir`: every block's hash link, signature,
-    vote, Merkle and state root, every object's digest, and every global model recomputed
-    from the stored updates by the channel's rule. Returns counts; raises LedgerError
-    locating the first fault."""
+class _Located(LedgerError):
+    """A fault whose message already names the block it lies in (not the one checked)."""
+
+
+def verify(workdir: str, *, anchor: Optional[Dict[str, Any]] = None,
+           validators: Union[None, str, Sequence[str]] = None,
+           progress: bool = False) -> Dict[str, Any]:
+    """Replays the ledger of the run in `workdir`: every block's keys, hash link, votes,
+    Merkle and state root, every signature, every object's digest, and every global model
+    recomputed from the stored updates by the channel's rule (internal consistency). With
+    `validators` (their fingerprint, or their public keys) each genesis must name exactly
+    those validators; with `anchor` (`anchor`'s form) too, and each channel must end in the
+    anchor's head: its hash, its votes' digest, its height. Returns counts and
+    `anchored` (whether the anchor was checked: without it, a history rewritten by whoever
+    holds the keys, or cut short, passes). Raises LedgerError locating the first fault
+    (LedgerFormatError for a ledger of another format)."""
     from fedjax_pan.algorithms import flchain  # the channel's update rule
 
+    if anchor is not None:
+        check_anchor(anchor)
+    expected = []  # (fingerprint, whose) the genesis validators must have
+    if validators is not None:
+        expected.append((validators if isinstance(validators, str) else
+                         fingerprint(validators), "the expected validators'"))
+    if anchor is not None:
+        expected.append((anchor["validators_sha256"], "the anchor's"))
+    expected = [(f[len("sha256:"):] if f.startswith("sha256:") else f, w) for f, w in expected]
     ledger = Ledger(os.path.join(workdir, "ledger"))
     channels = ledger.channels()
     if not channels:
         raise LedgerError(f"{ledger.root}: no ledger (not an FLChain run's workdir?)")
-    counts = {"channels": len(channels), "blocks": 0, "transactions": 0, "objects": 0}
+    counts: Dict[str, Any] = {"channels": len(channels), "blocks": 0, "transactions": 0,
+                              "objects": 0, "anchored": anchor is not None}
+    heads = {c["channel"]: c for c in (anchor or {}).get("channels", [])}
+    if anchor is not None and set(heads) != set(channels):
+        j = min(set(heads) ^ set(channels))
+        raise LedgerError(
+            f"{os.path.join(ledger.root, f'channel_{j}')}: channel {j} "
+            + ("is not in the anchor (added after it was taken)" if j in channels else
+               "of the anchor has no blocks (deleted)"))
     # Every stored array, referenced or not (a rejected proposal's), matches its name.
     objects = os.path.join(ledger.root, "objects")
     for name in sorted(os.listdir(objects)) if os.path.isdir(objects) else []:
@@ -369,16 +629,49 @@ def verify(workdir: str, *, progress: bool = False) -> Dict[str, int]:
                 where = f"{ledger.block_path(j, height)} (block {height} of channel {j})"
                 try:
                     replay = _check_block(ledger, block, j, height, prev, replay, flchain)
+                    if height == 0:
+                        ours = fingerprint(block["header"]["validators"])
+                        for want, whose in expected:
+                            if ours != want:
+                                raise LedgerError(
+                                    f"its validators' keys (sha256 {ours[:16]}...) are not "
+                                    f"{whose} (sha256 {want[:16]}...): a ledger signed by "
+                                    f"other keys")
+                except _Located:
+                    raise
                 except LedgerError as e:
-                    raise LedgerError(f"{where}: {e}") from None
-                except (KeyError, TypeError, ValueError, AttributeError) as e:
+                    raise type(e)(f"{where}: {e}") from None
+                except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
                     raise LedgerError(f"{where}: malformed ({type(e).__name__}: {e})") from None
                 prev = block
                 counts["blocks"] += 1
                 counts["transactions"] += len(block["transactions"])
+            if anchor is not None:
+                _check_head(ledger, j, heights[j][-1], heads[j])
     finally:
         bar.close()
     return counts
+
+
+def _check_head(ledger: Ledger, channel: int, last: int, head: Dict[str, Any]) -> None:
+    """Channel `channel`, whose last block is `last`, ends in the anchor's `head`."""
+    h = head["height"]
+    if last < h:
+        raise LedgerError(f"{ledger.block_path(channel, last + 1)}: block {last + 1} of channel "
+                          f"{channel} is missing: the anchor's head is block {h} (the ledger was "
+                          f"cut after block {last})")
+    if last > h:
+        raise LedgerError(f"{ledger.block_path(channel, h + 1)}: block {h + 1} of channel "
+                          f"{channel} lies beyond the anchor's head, block {h} (appended after "
+                          f"the anchor was taken)")
+    block = ledger.read(channel, h)
+    where = f"{ledger.block_path(channel, h)} (block {h} of channel {channel})"
+    if block["hash"] != head["head"]:
+        raise LedgerError(f"{where}: its hash {block['hash'][:16]}... is not the anchor's head "
+                          f"{head['head'][:16]}... (the chain was rewritten)")
+    if votes_digest(block["votes"]) != head["head_votes"]:
+        raise LedgerError(f"{where}: its votes are not the anchor's head's (a vote was "
+                          f"removed, added or changed)")
 
 
 def _object(ledger: Ledger, digest: str, what: str) -> bytes:
@@ -391,9 +684,54 @@ def _object(ledger: Ledger, digest: str, what: str) -> bytes:
     return data
 
 
+def _structure(block: Dict[str, Any], height: int) -> None:
+    """LedgerError where `block` or its parts have a key extra or missing (genesis: where it
+    is of another ledger format)."""
+    why = key_fault(block, BLOCK_KEYS, "the block")
+    if why:
+        raise LedgerError(why)
+    h = block["header"]
+    if not isinstance(h, dict):
+        raise LedgerError("its header is not an object")
+    if height == 0:
+        version = h.get("format", 1)
+        if version != LEDGER_FORMAT:
+            raise LedgerFormatError(
+                f"ledger format {version} "
+                + ("written before keys came from the OS, votes were chained and the anchor "
+                   "existed (fedjax_pan before the ledger format was versioned)"
+                   if version == 1 else "unknown")
+                + f"; this verifier reads format {LEDGER_FORMAT} (rerun the experiment to get "
+                  f"a ledger it can audit)")
+    why = key_fault(h, GENESIS_KEYS if height == 0 else HEADER_KEYS, "its header")
+    if why is None and height == 0:
+        why = key_fault(h["rule"], RULE_KEYS, "its header's rule")
+    if why is None and height:
+        why = key_fault(h["sim"], SIM_KEYS, "its header's sim")
+        for r in h["rejected"] if why is None and isinstance(h["rejected"], list) else []:
+            why = why or key_fault(r, REJECTED_KEYS, "a rejected proposal of its header")
+        if why is None and not isinstance(h["rejected"], list):
+            why = "its header's rejected proposals are not a list"
+    if why:
+        raise LedgerError(why)
+    if not isinstance(block["transactions"], list):
+        raise LedgerError("its transactions are not a list")
+    for n, tx in enumerate(block["transactions"]):
+        kind = tx.get("type") if isinstance(tx, dict) else None
+        want = REGISTER_KEYS if height == 0 else UPDATE_KEYS
+        why = key_fault(tx, want, f"transaction {n} (device "
+                                  f"{tx.get('device') if isinstance(tx, dict) else None})")
+        if why is None and kind != ("register" if height == 0 else "update"):
+            why = f"transaction {n} (device {tx['device']}) is not " + \
+                ("a registration" if height == 0 else "an update")
+        if why:
+            raise LedgerError(why)
+
+
 def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: int,
                  prev: Optional[Dict[str, Any]], replay: Any, flchain: Any) -> Any:
     """One block against its predecessor; returns the channel's replayed state after it."""
+    _structure(block, height)
     h = block["header"]
     if block_hash(h) != block["hash"]:
         raise LedgerError("its hash does not match its header")
@@ -406,10 +744,20 @@ def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: in
         raise LedgerError("the Merkle root of its transactions does not match its header")
     if height == 0:
         keys = {}
+        if block["votes"]:
+            raise LedgerError("a genesis block carries votes")
+        validators = h["validators"]
+        if not (isinstance(validators, list) and validators and all(map(_hex64, validators))):
+            raise LedgerError("its validators are not a list of public keys")
+        if len(set(validators)) != len(validators):
+            raise LedgerError("its validators' keys are not distinct (the quorum counts "
+                              "distinct validators)")
         for tx in txs:
-            if tx.get("type") != "register" or tx.get("channel") != channel:
+            if tx.get("channel") != channel:
                 raise LedgerError(f"genesis transaction {tx.get('device')} is not a "
                                   f"registration with this channel")
+            if tx["device"] in keys:
+                raise LedgerError(f"device {tx['device']} registers twice")
             if not signature_valid(tx["public_key"], TX_DOMAIN, canonical(tx_body(tx)),
                                    tx["signature"]):
                 raise LedgerError(f"registration of device {tx['device']}: bad signature")
@@ -425,6 +773,10 @@ def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: in
     why = check_votes(block, genesis["validators"], genesis["quorum"])
     if why:
         raise LedgerError(why)
+    if h["prev_votes"] != votes_digest(prev["votes"]):
+        raise _Located(f"{ledger.block_path(channel, height - 1)} (block {height - 1} of "
+                       f"channel {channel}): its votes are not those block {height}'s header "
+                       f"records (a vote was removed, added or changed)")
     if h["round"] <= replay.round:
         raise LedgerError(f"its round {h['round']} does not follow round {replay.round}")
     devices = set()
@@ -455,25 +807,97 @@ def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: in
     return replay
 
 
+USAGE = ("usage: python -m fedjax_pan.ledger WORKDIR [--anchor FILE] "
+         "[--validators sha256:HEX|FILE] (verifies the run's ledger)")
+
+
+def _arguments(argv: List[str]) -> Tuple[str, Optional[str], Optional[str]]:
+    """(workdir, anchor file, validators) from the command line; ValueError saying why not."""
+    workdir, options = None, {"--anchor": None, "--validators": None}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in options:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{name} needs a value")
+                i, value = i + 1, argv[i + 1]
+            if options[name] is not None:
+                raise ValueError(f"{name} given twice")
+            options[name] = value
+        elif arg.startswith("-") or workdir is not None:
+            raise ValueError(f"unexpected argument {arg!r}")
+        else:
+            workdir = arg
+        i += 1
+    if workdir is None:
+        raise ValueError("expected one WORKDIR")
+    return workdir, options["--anchor"], options["--validators"]
+
+
+def anchor_text(workdir: str, anchor: Dict[str, Any]) -> str:
+    """What a run prints at its end: its anchor, to be kept outside the workdir."""
+    return (f"ledger anchor of {workdir} (keep a copy outside it; `python -m fedjax_pan.ledger "
+            f"{workdir} --anchor COPY` checks the ledger against it):\n"
+            + json.dumps(anchor, sort_keys=True))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    # Bad input (exit 2) is a wrong command line or a folder without a ledger; a ledger
-    # that does not verify, or cannot be read, exits 1.
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print(f"error: expected one WORKDIR, got {argv}; usage: python -m fedjax_pan.ledger "
-              f"WORKDIR (verifies the run's ledger)", file=sys.stderr)
+    # Bad input (exit 2) is a wrong command line, a folder without a ledger, an unreadable
+    # anchor or a ledger of another format; a ledger that does not verify exits 1.
+    try:
+        workdir, anchor_file, validators_arg = _arguments(argv)
+    except ValueError as e:
+        print(f"error: {e}, got {argv}; {USAGE}", file=sys.stderr)
         return 2
-    if not os.path.isdir(os.path.join(argv[0], "ledger")):
-        print(f"error: {argv[0]!r} holds no ledger (not an FLChain run's workdir)",
+    if not os.path.isdir(os.path.join(workdir, "ledger")):
+        print(f"error: {workdir!r} holds no ledger (not an FLChain run's workdir)",
               file=sys.stderr)
         return 2
+    summary = os.path.join(workdir, "summary.json")
     try:
-        counts = verify(argv[0], progress=True)
+        validators = None if validators_arg is None else read_validators(validators_arg)
+        if anchor_file is not None:
+            anchor_obj = read_anchor(anchor_file)
+        elif os.path.isfile(summary):
+            with open(summary) as f:
+                found = json.load(f)
+            found = found.get("ledger_anchor") if isinstance(found, dict) else None
+            anchor_obj = None if found is None else check_anchor(found)
+        else:
+            anchor_obj = None
+    except (OSError, ValueError) as e:
+        print(f"error: cannot read the anchor or validators: {e}", file=sys.stderr)
+        return 2
+    try:
+        counts = verify(workdir, anchor=anchor_obj, validators=validators, progress=True)
+    except LedgerFormatError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (LedgerError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"ledger of {argv[0]} verified: {counts['channels']} channel(s), "
-          f"{counts['blocks']} blocks, {counts['transactions']} transactions")
+    what = (f"{counts['channels']} channel(s), {counts['blocks']} blocks, "
+            f"{counts['transactions']} transactions")
+    if anchor_obj is not None:
+        heads = ", ".join(f"channel {c['channel']} at block {c['height']}"
+                          for c in anchor_obj["channels"])
+        print(f"ledger of {workdir} verified against the anchor in "
+              f"{anchor_file or summary}: {what}; validators sha256 "
+              f"{anchor_obj['validators_sha256'][:16]}..., heads {heads}")
+        if anchor_file is None:
+            print(f"note: that anchor lies in the folder it vouches for, so whoever can "
+                  f"rewrite the ledger can rewrite it too: it catches accidents, not forgery; "
+                  f"pass --anchor with the copy the run's owner kept")
+    else:
+        print(f"ledger of {workdir} verified for internal consistency only: {what}"
+              + (f"; its validators are the expected ones (sha256 {validators[:16]}...)"
+                 if validators else ""))
+        print(f"note: no anchor given and none in {summary}: a history rewritten and "
+              f"re-signed by whoever holds the run's keys, or cut short, would pass; pass "
+              f"--anchor FILE (the anchor the run printed, or a copy of its summary.json)")
     return 0
 
 

@@ -207,6 +207,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(experiment.format_table(summaries,
                                       experiment.seed_groups(experiment.variant_configs(cfg))))
         print(f"results in {fv.workdir}")
+        for name, summary in summaries.items():  # FLChain: the ledger's trust anchor
+            if "ledger_anchor" in summary:
+                from fedjax_pan import ledger
+                where = os.path.join(fv.workdir, name) if cfg.get("variants") else fv.workdir
+                print(ledger.anchor_text(where, summary["ledger_anchor"]))
     return 0
 
 

@@ -18,7 +18,8 @@ from fedjax_pan import models
 from fedjax_pan.algorithms.fedavg import BN_MODES
 from fedjax_pan.algorithms.local import WARMUPS
 from fedjax_pan.algorithms.dp import counting_std
-from fedjax_pan.algorithms.registry import (AGGREGATION_RULES, ALGORITHMS, SERVER_OPTIMIZERS,
+from fedjax_pan.algorithms.registry import (AGGREGATION_RULES, ALGORITHMS, SAMPLING_CHOICES,
+                                            SERVER_OPTIMIZERS, cohort_sampling,
                                             expected_clients)
 from fedjax_pan.data.partition import SCHEMES
 from fedjax_pan.data.sources import DATASETS, GROUPED_DATASETS, NORMALIZATIONS
@@ -26,10 +27,10 @@ from fedjax_pan.engine.clients import AUGMENTS, STEP_MODES
 from fedjax_pan.engine.execution import STRATEGIES
 from fedjax_pan.engine.store import PLACES
 from fedjax_pan.engine.robust import krum_kept
-from fedjax_pan.engine.simulation import AGGREGATIONS, SAMPLINGS, clients_per_round
+from fedjax_pan.engine.simulation import AGGREGATIONS, clients_per_round
 from fedjax_pan.engine.staleness import FEDASYNC_KINDS
-from fedjax_pan.engine.timing import DELAYS, POLICIES
-from fedjax_pan.algorithms.attacks import ATTACKS
+from fedjax_pan.engine.timing import DELAYS, POLICIES, forced_error
+from fedjax_pan.algorithms.attacks import ATTACKS, DRAWS
 from fedjax_pan.algorithms.compressed import MASK_SCORES
 from fedjax_pan.compression import METHODS
 from fedjax_pan.errors import ConfigError, require
@@ -106,6 +107,7 @@ RULES: Dict[str, Rule] = {
     "aggregation.sageflow.delta": between(0, 10),
     "aggregation.sageflow.lam": between(0, 10),
     "aggregation.sageflow.gamma_period": between(0, 1e6, integer=True),
+    "aggregation.sageflow.min_weight": between(0, 1e6),
     "aggregation.fedasync.mixing": between(0, 1, lo_open=True),
     "aggregation.fedasync.staleness": one_of(FEDASYNC_KINDS),
     "aggregation.fedasync.a": between(0, 100),
@@ -115,12 +117,14 @@ RULES: Dict[str, Rule] = {
     "straggler.slow_share": between(0, 1),
     "straggler.policy": one_of(POLICIES),
     "straggler.wait_share": between(0, 1, lo_open=True),
+    "straggler.forced": Rule(forced_error),
     "attack.kind": one_of(ATTACKS),
     "attack.fraction": between(0, 1),
     "attack.start_round": between(0, 1e6, integer=True),
     "attack.scale": between(0, 1e4, optional=True),
     "attack.target": between(0, 1e5, integer=True),
     "attack.poisoned": between(0, 1),
+    "attack.draw": one_of(DRAWS),
     **{f"compression.{side}.{key}": rule for side in ("upload", "download")
        for key, rule in {"method": one_of(METHODS), "ratio": between(0, 1, lo_open=True),
                          "levels": between(1, 2**16, integer=True),
@@ -137,7 +141,7 @@ RULES: Dict[str, Rule] = {
     "privacy.quantile": between(0, 1),
     "privacy.clip_lr": between(0, 100),
     "privacy.count_std": between(0, 1e6, lo_open=True, optional=True),
-    "sampling": one_of(SAMPLINGS),
+    "sampling": one_of(SAMPLING_CHOICES),
     "execution.strategy": one_of(STRATEGIES),
     "execution.block_size": between(1, 1e5, integer=True, optional=True),
     "execution.client_states": one_of(PLACES),
@@ -214,6 +218,9 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
             f"({', '.join(GROUPED_DATASETS)}), got dataset.name={cfg.dataset.name!r}")
     require(cfg.local.mode != "steps" or cfg.local.local_steps is not None,
             "config.local.local_steps must be set for local.mode='steps'")
+    require(all(d <= cfg.straggler.max_delay for d in cfg.straggler.forced),
+            f"config.straggler.forced delays must be at most straggler.max_delay = "
+            f"{cfg.straggler.max_delay}, got {tuple(cfg.straggler.forced)}")
     for name, overrides in (cfg.get("variants") or {}).items():
         require(isinstance(overrides, (dict, ml_collections.ConfigDict)),
                 f"config.variants.{name} must map config keys to values, got {overrides!r}")
@@ -263,7 +270,7 @@ def _communication_checks(cfg: ml_collections.ConfigDict) -> None:
     require(comp.download.method == "none" or cfg.straggler.max_delay == 0,
             "config.compression.download needs straggler.max_delay=0 (a late client's "
             "download would be counted against a model it did not hold)")
-    require(cfg.sampling == "uniform" or cfg.straggler.max_delay == 0,
+    require(cohort_sampling(cfg) == "uniform" or cfg.straggler.max_delay == 0,
             "config.sampling='poisson' needs straggler.max_delay=0")
     if dp.clip > 0:
         require(cfg.aggregation.weights == "uniform",

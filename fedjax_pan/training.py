@@ -340,12 +340,16 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
     summary = {**reporting.summarize(rows), "rounds": state.round,
                "wall_seconds": totals["wall_seconds"], "strategy": exp.strategy, "num_clients": len(exp.client_indices),
                "clients_per_round": exp.simulation.num_sampled,
+               "sampling": algorithms.registry.cohort_sampling(cfg),
                "padding_efficiency": (totals["real_examples"] / totals["computed_examples"]
                                       if totals["computed_examples"] else None),
                "compiles": totals["compiles"],
                "compiles_after_first_round": totals["compiles_after_first_round"],
                "processes": totals["processes"],
                "distributed_processes": distributed.process_count()}
+    report = getattr(exp.simulation, "report", None)  # a driver's own record (FLChain's anchor)
+    if report is not None:
+        summary.update(report(state))
     # summary.json marks a finished run (scripts read it back on --resume), so it comes
     # after the curve, and a signal waits until both are written.
     if not primary:

@@ -31,6 +31,7 @@ def test_fixed_alpha_zero_is_fedavg(warmup):
         assert max_rel_err(own["params"], f.server.params) < 1e-6
 
 
+@pytest.mark.reference("algorithm", "apfl")
 def test_alpha_update_matches_a_hand_computed_gradient():
     """One step on one batch: alpha moves by -lr_alpha (<v - w, g_m> + 0.02 alpha)."""
     cd, model, variables, tx = pfl_setup()

@@ -39,6 +39,7 @@ def _np_grad(w, b, x, y, mask):
     return float((ce * mask).sum() / n), x.T @ dz, dz.sum(axis=0)
 
 
+@pytest.mark.reference("algorithm", "apple")
 def test_two_local_steps_follow_the_update_by_hand():
     rng = np.random.default_rng(1)
     k, d, me = 3, 6, 1

@@ -1,6 +1,7 @@
 """Attacks: each changes exactly what it should (batches and sent models by hand; honest
 clients bit for bit untouched; a label attack equals training on relabelled data), the
-malicious set is drawn once per seed, and the backdoor's success rate is logged."""
+malicious set is drawn once per seed or exactly int(M f) of each round's cohort (the same
+under every execution strategy), and the backdoor's success rate is logged."""
 
 import os
 import sys
@@ -31,6 +32,56 @@ def test_malicious_clients_are_drawn_once_per_seed():
     assert attacks.draw_malicious(0.0, 50, 1).sum() == 0
 
 
+def test_per_round_attackers_are_exactly_int_m_fraction_of_each_cohort():
+    ids = np.array([3, 8, 11, 20, 31, 40, 41, 57, 60, 99])
+    for fraction, want in ((0.2, 2), (0.1, 1), (0.39, 3), (0.0, 0)):
+        bad = attacks.draw_round(fraction, ids, seed=5, round_index=4)
+        assert bad.sum() == want  # the authors' int(m * attack_ratio), not round()
+    a = attacks.draw_round(0.2, ids, 5, 4)
+    np.testing.assert_array_equal(a, attacks.draw_round(0.2, ids, 5, 4))  # seeded
+    draws = {tuple(attacks.draw_round(0.2, ids, 5, r)) for r in range(20)}
+    assert len(draws) > 5  # afresh each round
+    # From a config: round r's row marks int(M f) of the cohort the engine samples.
+    from fedjax_pan.engine.simulation import sample_clients
+    cfg = config(rounds=6, attack__kind="sign_flip", attack__fraction=0.3,
+                 attack__draw="per_round", participation=0.5, partition__num_clients=10)
+    table = attacks.malicious_from_config(cfg, 10)
+    assert table.shape == (6, 10)
+    for r in range(6):
+        cohort = sample_clients(cfg.seed, 10, 5, r)
+        assert table[r].sum() == 1 and table[r, cohort].sum() == 1
+        np.testing.assert_array_equal(attacks.attacking(table, r, cohort),
+                                      attacks.draw_round(0.3, cohort, cfg.seed, r))
+    cfg.attack.draw = "fixed"
+    fixed = attacks.malicious_from_config(cfg, 10)
+    np.testing.assert_array_equal(fixed, attacks.draw_malicious(0.3, 10, cfg.seed))
+    with pytest.raises(ConfigError, match="attack.draw"):
+        assembly.validate(config(attack__kind="sign_flip", attack__draw="sometimes"))
+
+
+def test_per_round_attackers_agree_across_strategies():
+    """A (rounds, K) table is looked up by client id and round: every execution strategy
+    and the sequential reference see the same attackers, and round r's attackers are
+    row r's (the sent update of an attacker is its honest one negated x4)."""
+    from conftest import pfl_rounds, strategies_agree
+    _, cd = tiny_clients([20, 30, 25, 18, 22, 16])
+    table = np.zeros((2, cd.num_clients), bool)
+    table[0, :] = True  # round 0: everyone attacks; round 1: clients 1 and 4
+    table[1, [1, 4]] = True
+    algo = attacks.with_attack(_ALGO, attacks.Attack("sign_flip", 10, 4.0), table)
+    attacked = strategies_agree(algo, cd, _VARIABLES, rounds=2,
+                                strategies=("loop", "vmap", "sharded"))
+    _, honest, _ = pfl_rounds(_ALGO, cd, _VARIABLES, "loop", rounds=1)
+    # Round 0: the server moves against its honest step, x4.
+    d_honest = jax.tree_util.tree_map(lambda a, b: a - b, honest[1].server.params,
+                                      honest[0].server.params)
+    d_bad = jax.tree_util.tree_map(lambda a, b: a - b, attacked.loop[1].server.params,
+                                   attacked.loop[0].server.params)
+    jax.tree_util.tree_map(lambda h, b: np.testing.assert_allclose(b, -4.0 * h, rtol=1e-4,
+                                                                   atol=1e-6),
+                           d_honest, d_bad)
+
+
 def _batch(rows=8, real=6):
     rng = np.random.default_rng(0)
     return {"x": jnp.asarray(rng.normal(size=(rows, 7, 7, 2)), jnp.float32),
@@ -38,6 +89,7 @@ def _batch(rows=8, real=6):
             "mask": jnp.asarray(np.arange(rows) < real, jnp.float32)}
 
 
+@pytest.mark.reference("attack", "label_shift", "label_flip")
 def test_label_attacks_by_hand():
     b = _batch()
     shift = attacks.poison_batch(b, attacks.Attack("label_shift", 10))
@@ -48,6 +100,7 @@ def test_label_attacks_by_hand():
         np.testing.assert_array_equal(out["x"], b["x"])
 
 
+@pytest.mark.reference("attack", "backdoor")
 def test_backdoor_poisons_the_first_share_of_real_rows_with_the_pattern():
     for real, poisoned in ((6, 1), (8, 2)):  # floor(6 * 20/64) = 1, floor(8 * 20/64) = 2
         b = _batch(real=real)
@@ -67,6 +120,7 @@ def test_backdoor_poisons_the_first_share_of_real_rows_with_the_pattern():
     assert int(jnp.sum(out["y"] == 2)) == 20  # the authors' 20 of each 64
 
 
+@pytest.mark.reference("attack", "model_poisoning", "sign_flip", "gaussian", "backdoor")
 def test_sent_parameters_by_hand():
     w = {"k": jnp.asarray([1.0, -2.0, 4.0])}
     b = {"k": jnp.asarray([0.5, 0.5, 0.5])}

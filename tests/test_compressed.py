@@ -91,6 +91,7 @@ def test_error_feedback_keeps_each_clients_residual_across_rounds():
                tree_map(jnp.subtract, p, kept))
 
 
+@pytest.mark.reference("compression", "vote")
 def test_majority_vote_by_hand():
     algo = compressed.with_compression(FEDAVG, VARIABLES, comp.sign(), vote=True)
     state = _sim(algo).init(VARIABLES)
@@ -133,6 +134,7 @@ def test_download_sends_the_compressed_global_update_and_counts_missed_rounds():
     _close(algo.eval_variables(new.server)["params"], true, atol=0)
 
 
+@pytest.mark.reference("compression", "mask_before")
 def test_pre_training_mask_drives_the_pruned_weights_to_zero():
     mask = compressed.MaskBefore(ratio=0.5, score="magnitude", l1=1e4, lr=0.05)
     algo = compressed.with_compression(FEDAVG, VARIABLES, comp.identity(), mask_before=mask)

@@ -23,6 +23,7 @@ def _run(t, x, state=None, key=KEY, reference=None):
     return comp.apply(t, x, state, key, reference)
 
 
+@pytest.mark.reference("compression", "top_k", "magnitude_mask")
 def test_top_k_keeps_exactly_the_k_largest_magnitudes_of_each_leaf():
     tree = {"a": _leaf(1000, 1, (40, 25)), "b": _leaf(37, 2)}
     out, _ = _run(comp.top_k(0.1), tree)
@@ -41,6 +42,7 @@ def test_top_k_of_a_sparse_message_keeps_k_of_the_values_sent():
     assert comp.layouts(t, x).count == 50
 
 
+@pytest.mark.reference("compression", "importance_mask")
 def test_importance_scores_are_the_update_times_the_weight():
     w = jnp.asarray([1.0, -2.0, 0.5, 3.0])
     ref = jnp.asarray([0.0, -2.5, -1.0, 3.1])  # |(w - ref) w| = 1, 1, 0.75, 0.3
@@ -50,6 +52,7 @@ def test_importance_scores_are_the_update_times_the_weight():
     np.testing.assert_array_equal(by_magnitude, [0.0, -2.0, 0.0, 3.0])
 
 
+@pytest.mark.reference("compression", "random_k")
 def test_random_k_keeps_k_positions_from_the_key_and_unbiased_is_unbiased():
     x = _leaf(200)
     a, _ = _run(comp.random_k(0.1), x, key=jax.random.PRNGKey(1))
@@ -67,6 +70,7 @@ def test_random_k_keeps_k_positions_from_the_key_and_unbiased_is_unbiased():
     assert np.all(np.abs(np.asarray(mean - x)) <= 6 * 3 * np.abs(np.asarray(x)) / np.sqrt(4000))
 
 
+@pytest.mark.reference("compression", "error_feedback")
 def test_error_feedback_conserves_the_sum_over_rounds():
     t = comp.error_feedback(comp.top_k(0.05))
     xs = [_leaf(500, s) for s in range(4)]
@@ -81,6 +85,7 @@ def test_error_feedback_conserves_the_sum_over_rounds():
     assert np.abs(np.asarray(state.residual)).sum() > 0
 
 
+@pytest.mark.reference("compression", "qsgd")
 def test_qsgd_is_unbiased_and_lands_on_its_grid():
     x = _leaf(64, 3)
     s = 4
@@ -98,6 +103,7 @@ def test_qsgd_is_unbiased_and_lands_on_its_grid():
     np.testing.assert_array_equal(zero, np.zeros(8))
 
 
+@pytest.mark.reference("compression", "sign")
 def test_scaled_sign_by_hand():
     x = jnp.asarray([0.5, -1.5, 2.0, -1.0])
     out, _ = _run(comp.sign(), x)
@@ -106,6 +112,7 @@ def test_scaled_sign_by_hand():
     np.testing.assert_allclose(sparse, [0.0, -1.75, 1.75, 0.0])  # scale over the 2 sent
 
 
+@pytest.mark.reference("compression", "quantize")
 def test_uniform_quantisation_grid_nearest_and_unbiased():
     x = jnp.asarray([-1.0, -0.2, 0.1, 0.7, 2.0])
     near, _ = _run(comp.quantize(2, stochastic=False), x)  # levels -1, 0, 1, 2

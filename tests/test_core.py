@@ -16,6 +16,7 @@ SIZES = [27, 39, 19, 36, 62, 13]
 WORK = LocalWork(batch_size=8, epochs=1.0)
 
 
+@pytest.mark.reference("aggregation", "median", "trimmed_mean")
 def test_median_and_trimmed_mean_match_numpy():
     rng = np.random.default_rng(0)
     outs = {"a": rng.normal(size=(7, 3, 4)).astype(np.float32),
@@ -32,6 +33,28 @@ def test_median_and_trimmed_mean_match_numpy():
     np.testing.assert_allclose(full["b"], outs["b"].mean(), rtol=1e-6)
     with pytest.raises(ValueError, match="trim in"):
         core.trimmed_mean(0.5)
+
+
+@pytest.mark.reference("aggregation", "mean")
+@pytest.mark.parametrize("aggregation", ["num_examples", "uniform"])
+def test_the_mean_rule_is_fedavgs_weighted_average(aggregation):
+    # McMahan et al. 2017, Alg. 1: w <- sum_k n_k / n w_k (num_examples); uniform: 1 / M.
+    _, cd = tiny_clients(SIZES)
+    _, variables, algo = tiny_fedavg()
+    ex = make_executor("loop", algo, WORK, cd, variables, 3)
+    sim = Simulation(algo, cd, WORK, ex, participation=0.5, aggregation=aggregation, seed=2)
+    state = sim.init(variables)
+    ids = sim.sample(0)
+    n = np.asarray([SIZES[k] for k in ids], np.float64)
+    weights = n / n.sum() if aggregation == "num_examples" else np.full(len(ids), 1 / len(ids))
+    models = [jax.tree_util.tree_map(lambda w, d: np.asarray(w, np.float64) + np.asarray(d),
+                                     state.server.params, o["delta"])
+              for o in sim.client_updates(state)]
+    new, _ = sim.round(state)
+    want = jax.tree_util.tree_map(lambda *ms: sum(a * m for a, m in zip(weights, ms)), *models)
+    for a, b in zip(jax.tree_util.tree_leaves(new.server.params),
+                    jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_robust_rules_ignore_one_client_sending_huge_values():

@@ -3,6 +3,7 @@ received global model (lambda -> infinity)."""
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import traverse_util
 
@@ -12,6 +13,7 @@ from conftest import pfl_rounds
 from fedjax_pan.algorithms import fedavg
 from fedjax_pan.algorithms.ditto import ditto
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
+from test_personal import np_flat, np_grads, tiny_net_setup, tiny_sim
 
 
 def _run(algo, cd, variables, strategy="vmap", rounds=2):
@@ -69,3 +71,36 @@ def test_loop_and_vmap_agree_and_personal_models_are_evaluated():
     assert max_rel_err(a[-1].client_states, b[-1].client_states) < 1e-5
     mine = sim.personal_evaluation(a[-1])
     assert max_rel_err(mine, a[-1].client_states) == 0
+
+
+@pytest.mark.reference("algorithm", "ditto")
+def test_rounds_match_ditto_written_in_numpy():
+    """Li et al.'s Alg. 1 in NumPy with plain SGD: the global copy takes SGD steps on f_k,
+    the personal model v a gradient step on f_k then the proximal step of
+    lambda/2 ||v - w^t||^2, v <- (v_half + lr lambda w^t) / (1 + lr lambda); the server
+    adds the mean delta."""
+    model, variables, cd, data = tiny_net_setup()
+    steps, lr, lam = 3, 0.1, 2.0
+    algo = ditto(model, optax.sgd(lr), lr, lam=lam)
+    sim = tiny_sim(algo, cd, variables, steps)
+    state = sim.init(variables)
+    g = np_flat(variables["params"])
+    own = [dict(g) for _ in data]
+    for r in range(2):
+        deltas = []
+        for k in np.asarray(sim.sample(r)):
+            w, v = dict(g), own[k]
+            for _ in range(steps):
+                gw, gv = np_grads(w, *data[k]), np_grads(v, *data[k])
+                w = {key: w[key] - lr * gw[key] for key in w}
+                v = {key: (v[key] - lr * gv[key] + lr * lam * g[key]) / (1 + lr * lam)
+                     for key in v}
+            own[k] = v
+            deltas.append({key: w[key] - g[key] for key in g})
+        g = {key: g[key] + np.mean([d[key] for d in deltas], axis=0) for key in g}
+        state, _ = sim.round(state)
+    got, mine = np_flat(state.server.params), np_flat(state.client_states["params"])
+    for key in g:
+        np.testing.assert_allclose(got[key], g[key], rtol=1e-5, atol=1e-6, err_msg=key)
+        np.testing.assert_allclose(mine[key], np.stack([o[key] for o in own]), rtol=1e-5,
+                                   atol=1e-6, err_msg=key)

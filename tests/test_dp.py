@@ -37,6 +37,7 @@ def _norm(tree):
                              for x in jax.tree_util.tree_leaves(tree))))
 
 
+@pytest.mark.reference("privacy", "dp_fedavg")
 def test_updates_are_clipped_and_averaged_over_the_expected_count():
     clip, m = 0.01, 4.0  # m: a fixed denominator other than the 3 who took part
     algo = dp.with_dp(FEDAVG, clip, 0.0, m, seed=0)
@@ -61,6 +62,7 @@ def test_updates_are_clipped_and_averaged_over_the_expected_count():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.reference("privacy", "dp_fedavg")
 def test_the_noise_has_std_z_times_clip_over_m():
     z, clip, m = 1.3, 0.7, 5.0
     algo = dp.with_dp(FEDAVG, clip, z, m, seed=3)
@@ -89,21 +91,42 @@ def test_the_noise_has_std_z_times_clip_over_m():
             jax.tree_util.tree_leaves(server.inner.params))]), draws[0])
 
 
+@pytest.mark.reference("privacy", "adaptive_clipping")
 def test_adaptive_clipping_steps_the_norm_geometrically_by_hand():
-    quantile, lr, clip = 0.5, 0.2, 0.1
+    # Andrew et al.'s estimate from centred bits: b = (sum_k (b_k - 1/2) + noise) / m + 1/2,
+    # here with m = 4 expected clients and a cohort of 3, where the uncentred
+    # sum_k b_k / m would differ by 1/8.
+    quantile, lr, clip, m = 0.5, 0.2, 0.1, 4.0
     adaptive = dp.AdaptiveClip(quantile, lr, count_std=1e-9)  # the count's noise: none
-    algo = dp.with_dp(FEDAVG, clip, 0.0, 3.0, seed=0, adaptive=adaptive)
+    algo = dp.with_dp(FEDAVG, clip, 0.0, m, seed=0, adaptive=adaptive)
     sim = _sim(algo)
     state = sim.init(VARIABLES)
     outs = sim.client_updates(state)
-    below = sum(float(o["unclipped"]) for o in outs)
+    assert len(outs) == 3
+    sent = [float(o["unclipped"]) for o in outs]
     norms = [_norm(o["update"]["delta"]) for o in outs]
-    assert below == sum(n < clip * (1 - 1e-6) for n in norms)
+    below = [float(n < clip * (1 - 1e-6)) for n in norms]
+    assert sent == [b - 0.5 for b in below]  # each client sends its centred bit
     new, stats = sim.round(state)
+    b = (sum(below) - 3 * 0.5) / m + 0.5
     np.testing.assert_allclose(float(new.server.clip),
-                               clip * np.exp(-lr * (below / 3 - quantile)), rtol=1e-6)
+                               clip * np.exp(-lr * (b - quantile)), rtol=1e-6)
     assert stats["upload_bytes"] == 3 * (comp.message_bytes(comp.identity(),
                                                             VARIABLES["params"]) + 1)
+
+
+@pytest.mark.reference("privacy", "adaptive_clipping")
+def test_counting_query_moves_by_half_when_a_client_joins():
+    # The sensitivity the split z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) assumes: adding
+    # one client, whatever its bit, moves the noiseless estimate's numerator by 1/2.
+    adaptive = dp.AdaptiveClip(0.5, 1.0, count_std=1e-9)
+    for clip in (1e-6, 1e6):  # every update clipped / none clipped
+        algo = dp.with_dp(FEDAVG, clip, 0.0, 4.0, seed=0, adaptive=adaptive)
+        sim = _sim(algo)
+        state = sim.init(VARIABLES)
+        outs = sim.client_updates(state)
+        sums = [sum(float(o["unclipped"]) for o in outs[:n]) for n in (2, 3)]
+        assert abs(sums[1] - sums[0]) == 0.5
 
 
 def test_split_noise_multiplier():
@@ -165,14 +188,26 @@ def test_refusals():
             experiment.validate(config(**changes))
 
 
+def test_sampling_defaults_to_poisson_under_dp():
+    from fedjax_pan.algorithms.registry import cohort_sampling, expected_clients
+    assert cohort_sampling(config()) == "uniform"
+    cfg = config(privacy__clip=1.0)
+    assert cohort_sampling(cfg) == "poisson"
+    k = cfg.partition.num_clients
+    assert expected_clients(cfg, k) == cfg.participation * k
+    assert cohort_sampling(config(privacy__clip=1.0, sampling="uniform")) == "uniform"
+
+
 @pytest.mark.slow  # a config run end to end (the accountant is checked in test_privacy)
 def test_config_run_logs_a_growing_epsilon(tmp_path):
     cfg = config(rounds=3, privacy__clip=0.05, privacy__noise_multiplier=1.1,
                  privacy__delta=1e-4)
-    experiment.train(cfg, str(tmp_path), progress=False)
+    summary = experiment.train(cfg, str(tmp_path), progress=False)
+    assert summary["sampling"] == "poisson"  # 'auto' under DP
     rows = metrics(str(tmp_path))
     eps = [r["dp_epsilon"] for r in rows]
     assert eps[0] < eps[1] < eps[2]
     k = cfg.partition.num_clients
     m = max(1, round(cfg.participation * k))
-    np.testing.assert_allclose(eps[2], privacy.epsilon(1.1, 3, 1e-4, "uniform", k, m))
+    np.testing.assert_allclose(eps[2], privacy.epsilon(1.1, 3, 1e-4, "poisson", k, m,
+                                                       rate=cfg.participation))

@@ -605,6 +605,25 @@ def test_personalized_table_from_its_runs(tmp_path):
     assert "| FedAvg | 63.16 | diverged | 97.93 / not run |" in markdown
 
 
+def test_personalized_gives_pfllibs_local_epochs_to_fedpac_fedda_and_fedbabu():
+    """PFLlib's clientpac.py: 1 head epoch, then E body epochs; clientda.py: E + E;
+    clientbabu.py: 10 fine-tuning epochs (main.py's -fte)."""
+    from experiments import personalized
+    for epochs in (1.0, 2.0):
+        s = dataclasses.replace(personalized.PRESETS["cpu"], epochs=epochs)
+        pac = personalized.run_config(s, "pat", 20, "fedpac", 0)
+        head = pac.local.epochs * pac.fedpac.head_fraction
+        assert (head, pac.local.epochs - head) == pytest.approx((1.0, epochs))
+        da = personalized.run_config(s, "pat", 20, "fedda", 0)
+        head = da.local.epochs * da.fedda.head_fraction
+        assert (head, da.local.epochs - head) == pytest.approx((epochs, epochs))
+        babu = personalized.run_config(s, "pat", 20, "fedbabu", 0)
+        assert babu.eval.finetune_epochs == 10.0 and babu.local.epochs == epochs
+        proto = personalized.run_config(s, "pat", 20, "fedproto", 0)
+        assert proto.local.epochs == epochs  # its class means come from training
+        assert proto.aggregation.weights == personalized.WEIGHTS == "uniform"
+
+
 def test_algorithms_can_be_picked_from_the_command_line(capsys):
     from experiments import personalized, r_kept
     s = personalized.PRESETS["smoke"]
@@ -674,13 +693,28 @@ def test_robustness_configs_and_table_by_hand():
     time to target and the summary are worked out by hand."""
     from experiments import robustness
     from fedjax_pan import experiment
-    for preset in ("cpu", "paper", "smoke"):
+    for preset in ("cpu", "paper", "smoke", "siren", "authors"):
         s = robustness.PRESETS[preset]
         for job in robustness.jobs(s):
             cfg = robustness.run_config(s, job)
             experiment.validate(cfg)
             assert (cfg.straggler.max_delay > 0) == (job.scenario in ("stragglers", "both"))
             assert (cfg.attack.kind != "none") == (job.attack != "none")
+            # The SageFlow authors' protocol: attackers drawn per round, delays 0, 1, 2
+            # forced, their lr decay (adversaries only) and backdoor settings.
+            authors = preset == "authors"
+            assert (cfg.attack.draw == "per_round") == authors
+            assert cfg.straggler.forced == ((0, 1, 2) if authors and
+                                            cfg.straggler.max_delay else ())
+            sync = authors and job.scenario == "adversaries"
+            assert (cfg.optimizer.warmup == "halving") == (sync and job.attack != "backdoor")
+            if sync and job.attack == "backdoor":
+                assert (cfg.participation, cfg.local.batch_size, cfg.attack.start_round,
+                        cfg.aggregation.sageflow.delta) == (0.1, 64, 10, 5.0)
+    assert {j.method for j in robustness.jobs(robustness.PRESETS["siren"])} == {"siren"}
+    s = robustness.PRESETS["authors"]
+    job = robustness.Job("adversaries", "backdoor", "zeno", 0)
+    assert robustness.run_config(s, job).aggregation.byzantine == 1  # int(10 x 0.1)
     s = robustness.PRESETS["cpu"]
     names = [(j.scenario, j.attack, j.method) for j in robustness.jobs(s) if j.seed == 0]
     # Krum cannot run with 8 of 10 clients malicious (it needs n > f + 2): left out.

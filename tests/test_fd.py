@@ -27,6 +27,7 @@ def _setup(hidden=(24, 16), seed=0):
     return cd, model, variables
 
 
+@pytest.mark.reference("algorithm", "fd")
 def test_steps_distil_towards_the_global_logits_and_record_their_own_by_class():
     cd, model, variables = _setup()
     tx = optax.sgd(0.2)
@@ -68,6 +69,7 @@ def test_steps_distil_towards_the_global_logits_and_record_their_own_by_class():
     assert np.all(np.asarray(out["logits"])[~seen] == 0)
 
 
+@pytest.mark.reference("algorithm", "fd")
 def test_the_server_averages_each_class_over_the_clients_reporting_it():
     cd, model, variables = _setup()
     algo = fd(model, optax.sgd(0.1))

@@ -70,6 +70,7 @@ def _group_of_entries(params):
     }
 
 
+@pytest.mark.reference("algorithm", "fed2")
 @pytest.mark.parametrize("group_weights", ["class_samples", "presence"])
 def test_feature_paired_averaging_by_hand(setup, group_weights):
     ds, cd, parts, model, variables = setup
@@ -109,6 +110,7 @@ def test_feature_paired_averaging_by_hand(setup, group_weights):
                     group == 4], old[group == 4])
 
 
+@pytest.mark.reference("algorithm", "fed2")
 def test_trimmed_step_is_a_step_on_the_kept_classes_softmax(setup):
     ds, cd, parts, model, variables = setup
     algo = fed2(model, _tx(), trim=True)

@@ -16,6 +16,7 @@ from fedjax_pan.defaults import default_config
 ETA = 0.7
 
 
+@pytest.mark.reference("algorithm", "fedala")
 def test_an_ala_step_follows_its_formula():
     cd, model, variables, tx = pfl_setup()
     algo = fedala(model, tx, 0.5, layers=2, eta=ETA)

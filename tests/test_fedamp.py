@@ -19,6 +19,7 @@ def _flat(tree):
     return np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(tree)])
 
 
+@pytest.mark.reference("algorithm", "fedamp")
 def test_attention_and_cloud_model_follow_the_formulas_and_a_step_its_gradient():
     cd, model, variables, _ = pfl_setup()
     k = cd.num_clients

@@ -38,6 +38,7 @@ def _batch(x, y, mask):
     return {"x": jnp.asarray(x), "y": jnp.asarray(y), "mask": jnp.asarray(mask)}
 
 
+@pytest.mark.reference("algorithm", "fedas")
 def test_alignment_fim_and_prototypes_follow_their_formulas_by_hand():
     rng = np.random.default_rng(0)
     f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
@@ -12,6 +13,7 @@ from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.clients import epoch_order
 
 
+@pytest.mark.reference("algorithm", "fedavg")
 def test_one_client_full_participation_equals_centralised_sgd():
     """K=1, R=1, server SGD(1): the global model after a round is the local SGD result."""
     _, cd = tiny_clients([45])
@@ -48,6 +50,7 @@ def test_one_client_full_participation_equals_centralised_sgd():
     assert max_rel_err(state.server.params, params) < 1e-5
 
 
+@pytest.mark.reference("algorithm", "fedavg")
 def test_server_optimizers_follow_the_pseudo_gradient():
     model = models.build("mlp", 10, hidden=[4])
     variables = models.init(model, jax.random.PRNGKey(0), (2, 2, 1))

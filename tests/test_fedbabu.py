@@ -22,6 +22,7 @@ def _body(params):
     return {n: p for n, p in params.items() if n != "head"}
 
 
+@pytest.mark.reference("algorithm", "fedbabu")
 @pytest.mark.slow
 def test_a_round_trains_the_body_alone_and_averages_it():
     cd, model, variables, tx = pfl_setup()

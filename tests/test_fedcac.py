@@ -27,6 +27,7 @@ def _np_mask(w0, w, tau):
     return c >= thresh
 
 
+@pytest.mark.reference("algorithm", "fedcac")
 def test_the_critical_mask_follows_pflibs_rule():
     rng = np.random.default_rng(0)
     w0 = {"a": rng.normal(size=(5, 4)), "b": rng.normal(size=3), "z": rng.normal(size=6),
@@ -50,6 +51,7 @@ def test_the_critical_mask_follows_pflibs_rule():
     assert np.all(np.asarray(got["t"]))
 
 
+@pytest.mark.reference("algorithm", "fedcac")
 def test_the_server_builds_customised_models_by_hand():
     """Four clients of K = 6 in round 2, beta = 4: the global mean, the overlaps, T and each
     client's customised mean, computed in numpy."""

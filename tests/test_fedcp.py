@@ -34,6 +34,7 @@ def _np_mmd(x, y):
     return np.mean(k(sq(x, x)) + k(sq(y, y)) - 2 * k(sq(x, y)))
 
 
+@pytest.mark.reference("algorithm", "fedcp")
 def test_ensemble_and_mmd_match_numpy():
     rng = np.random.default_rng(0)
     b, d, c = 5, 4, 3

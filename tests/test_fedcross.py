@@ -38,6 +38,7 @@ def _np_pick(sim, j, rnd, strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.reference("algorithm", "fedcross")
 def test_cross_aggregation_follows_pflibs_loops(strategy):
     cd, model, variables, tx = pfl_setup()
     rnd, m, k = 3, 4, 6
@@ -80,6 +81,7 @@ def test_cross_aggregation_follows_pflibs_loops(strategy):
                                               np.asarray(variables["params"][n][p]))
 
 
+@pytest.mark.reference("algorithm", "fedcross")
 def test_ties_go_where_pflibs_loop_sends_them():
     sim = jnp.asarray([[0.0, 1.0, 1.0, 2.0], [1.0, 0.0, 1.0, 1.0], [1.0, 1.0, 0.0, -1.0],
                        [-1.0, -1.0, -1.0, 0.0]])

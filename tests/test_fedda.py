@@ -20,6 +20,7 @@ def _ce(logits, y):
     return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(len(y)), y])
 
 
+@pytest.mark.reference("algorithm", "fedda")
 def test_both_phases_follow_their_gradients():
     cd, model, variables, _ = pfl_setup()
     algo = fedda(model, optax.sgd(LR), lam=LAM, head_fraction=0.5)

@@ -34,6 +34,7 @@ def _softmax(z):
     return e / e.sum(axis=1, keepdims=True)
 
 
+@pytest.mark.reference("algorithm", "feddbe")
 def test_a_local_step_follows_the_formulas_by_hand():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(5, 2, 3, 1)).astype(np.float32)

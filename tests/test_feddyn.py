@@ -13,7 +13,8 @@ from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.simulation import SimState
 from fedjax_pan.defaults import default_config
 from quadratic import quadratic_clients, squared_loss
-from test_scaffold import SIZES, WORK, _distances, check_strategies_against_reference
+from test_scaffold import (SIZES, WORK, _distances, _quadratic_grads,
+                           check_strategies_against_reference)
 
 tree_map = jax.tree_util.tree_map
 
@@ -71,6 +72,41 @@ def test_reaches_the_optimum_of_heterogeneous_quadratics_where_fedavg_is_biased(
     assert dyn[-1] < 1e-5  # measured ~3e-7
 
 
+@pytest.mark.reference("algorithm", "feddyn")
+def test_rounds_match_algorithm_one_written_in_numpy():
+    """Acar et al.'s Alg. 1 in NumPy (plain SGD on the client objective, full batches):
+    g_k <- g_k - alpha (theta_k - theta), h <- h - alpha/K sum_S (theta_k - theta),
+    theta <- mean_S theta_k - h / alpha."""
+    q = quadratic_clients()
+    steps, lr, alpha = 5, 0.05, 0.5
+    work = LocalWork(batch_size=8, mode="steps", local_steps=steps)
+    algo = feddyn(q.model, client_optimizer(lr, momentum=0.0), alpha=alpha, loss=squared_loss)
+    sim = Simulation(algo, q.data, work, make_executor("loop", algo, work, q.data,
+                                                       q.variables, 2),
+                     participation=0.5, seed=3)
+    state = sim.init(q.variables)
+    grads, num = _quadratic_grads(q), q.data.num_clients
+    theta, h = np.zeros(q.optimum.shape), np.zeros(q.optimum.shape)
+    g = [np.zeros_like(theta) for _ in range(num)]
+    for r in range(3):
+        ids = np.asarray(sim.sample(r))
+        models = []
+        for k in ids:
+            w = theta.copy()
+            for _ in range(steps):
+                w = w - lr * (grads[k](w) - g[k] + alpha * (w - theta))
+            g[k] = g[k] - alpha * (w - theta)
+            models.append(w)
+        h = h - alpha / num * np.sum([w - theta for w in models], axis=0)
+        theta = np.mean(models, axis=0) - h / alpha
+        state, _ = sim.round(state)
+    np.testing.assert_allclose(state.server.base.params["w"], theta, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.server.h["w"], h, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.client_states.grad["w"], np.stack(g), rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.reference("algorithm", "feddyn")
 def test_a_step_is_a_step_on_the_whole_objective():
     """The closed-form gradient of the dynamic term against autodiff of
     L_k(theta) - <g_k, theta> + alpha/2 ||theta - theta_s||^2, and the logged term's value."""

@@ -80,6 +80,7 @@ def _hand_case(scales, own_shift=0.0):
     return local, output, new_state, dict(raw=raw, ids=ids, stack=stack, own=own)
 
 
+@pytest.mark.reference("algorithm", "fedfomo")
 def test_weights_and_mix_follow_the_formula_by_hand():
     local, output, new_state, want = _hand_case(scales=[3.0, -3.0, 0.5, 2.0])
     raw, ids, stack = want["raw"], want["ids"], want["stack"]

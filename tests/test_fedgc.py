@@ -38,6 +38,7 @@ def _pfllib_reg(heads, held):
     return reg, grad
 
 
+@pytest.mark.reference("algorithm", "fedgc")
 def test_the_regulariser_and_its_gradient_by_hand():
     rng = np.random.default_rng(5)
     heads = rng.normal(size=(4, 3, 5)) * 0.7

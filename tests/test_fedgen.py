@@ -38,6 +38,7 @@ def _generated(server, key, n):
     return labels, z
 
 
+@pytest.mark.reference("algorithm", "fedgen")
 def test_a_step_adds_the_cross_entropy_of_generated_representations_through_its_head():
     cd, model, variables = _setup()
     algo = fedgen(model, optax.sgd(0.2), 8, **SMALL)

@@ -26,6 +26,7 @@ def _head_ce(h, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+@pytest.mark.reference("algorithm", "fedgh")
 def test_one_batch_is_a_full_gradient_step_and_small_batches_are_sgd_in_some_order():
     rng = np.random.default_rng(0)
     protos = jnp.asarray(rng.normal(size=(3, 4, 5)), jnp.float32)  # 3 clients, 4 classes

@@ -49,6 +49,7 @@ def _truncated(m, k):
     return (u[:, :k] * s[:k]) @ vt[:k]
 
 
+@pytest.mark.reference("algorithm", "fedkd")
 def test_svd_keeps_the_fewest_values_over_the_energy_and_counts_its_factors():
     m = _matrix(20, 12, [4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.1])
     for keep in (0.5, 0.9, 0.99):
@@ -96,6 +97,7 @@ def test_a_client_uploads_its_students_update_compressed_at_the_rounds_energy():
 
 
 @pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.reference("algorithm", "fedkd")
 def test_a_step_follows_pfllibs_adaptive_mutual_distillation(detach):
     cd, model, variables, _ = pfl_setup()
     lr, mentee, clip = 0.3, 0.1, 0.05

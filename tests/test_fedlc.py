@@ -16,6 +16,7 @@ from fedjax_pan.defaults import default_config
 from fedjax_pan.engine.reference import client_batches
 
 
+@pytest.mark.reference("algorithm", "fedlc")
 def test_the_calibrated_loss_by_hand():
     logits = np.array([[1.0, -0.5, 2.0, 0.3], [0.2, 0.1, -1.0, 1.5],
                        [3.0, 0.0, 0.5, -2.0]], np.float32)

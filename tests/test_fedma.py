@@ -85,6 +85,7 @@ def test_widening_a_layer_by_an_assignment_keeps_the_function(name, options, lay
         assert not np.any(np.delete(new, assign, axis=0))
 
 
+@pytest.mark.reference("algorithm", "fedma")
 def test_class_weighted_head_by_hand():
     heads = [{"kernel": np.full((2, 3), 1.0), "bias": np.array([1.0, 1.0, 1.0])},
              {"kernel": np.full((2, 3), 4.0), "bias": np.array([4.0, 4.0, 4.0])}]
@@ -100,6 +101,7 @@ def _driver(model, clients, participation=1.0, seed=0, strategy="auto", **kw):
                        **kw)
 
 
+@pytest.mark.reference("algorithm", "fedma")
 def test_one_client_returns_its_model_up_to_the_posterior_shrinkage(clients):
     """M = 1 without retraining: the flat-prior limit (sigma0 -> inf) returns the client's
     locally trained model (as FedAvg with that one client computes it); sigma = sigma0 = 1

@@ -40,6 +40,7 @@ def test_pfllib_scale_is_ten_to_minus_digits_plus_one():
 
 
 @pytest.mark.parametrize("kind", ["pfllib", "paper"])
+@pytest.mark.reference("algorithm", "fedmtl")
 def test_regulariser_value_and_gradient_by_hand(kind):
     rng = np.random.default_rng(0)
     n, k, scale = 3, 1, 0.3

@@ -21,6 +21,7 @@ def _softmax(v):
     return e / e.sum()
 
 
+@pytest.mark.reference("algorithm", "fedntd")
 def test_the_not_true_kl_by_hand():
     rng = np.random.default_rng(3)
     local, glob = rng.normal(size=(2, 3, 5)) * 2

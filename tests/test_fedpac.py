@@ -23,6 +23,7 @@ def _slsqp(p):
     return res.x
 
 
+@pytest.mark.reference("algorithm", "fedpac")
 def test_simplex_qp_matches_scipy():
     rng = np.random.default_rng(0)
     for n, rank in ((3, 3), (5, 2), (6, 6)):
@@ -40,6 +41,7 @@ def test_simplex_qp_matches_scipy():
     np.testing.assert_allclose(got[allowed], _slsqp(p[np.ix_(allowed, allowed)]), atol=2e-3)
 
 
+@pytest.mark.reference("algorithm", "fedpac")
 def test_statistics_and_combination_matrix_match_numpy():
     rng = np.random.default_rng(1)
     c, d, n = 4, 3, 11
@@ -75,6 +77,7 @@ def test_statistics_and_combination_matrix_match_numpy():
         np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.reference("algorithm", "fedpac")
 @pytest.mark.slow
 def test_server_step_on_hand_made_outputs():
     cd, model, variables, tx = pfl_setup()

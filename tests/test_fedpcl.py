@@ -1,6 +1,7 @@
-"""FedPCL: the contrastive loss against NumPy, a first round that only collects
-prototypes, later rounds training against the previous round's set, scoring by a
-client's own prototypes, and clients of several networks."""
+"""FedPCL: the contrastive loss against NumPy, PFLlib's set of every client's latest
+prototypes padded with the global ones, a first round that only collects prototypes,
+later rounds training against the previous round's set, scoring by a client's own
+prototypes padded with the global ones, and clients of several networks."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ import optax
 
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
+from fedjax_pan.algorithms.core import RoundInfo
 from fedjax_pan.algorithms.fedpcl import contrastive_loss, fedpcl
 from fedjax_pan.algorithms.moon import FEATURES
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
@@ -25,36 +27,76 @@ def _np_ce(logits, y):
     return -(logits[np.arange(len(y)), y] - np.log(np.exp(logits).sum(1)))
 
 
-def test_the_loss_is_the_global_term_plus_the_mean_of_the_reporting_clients_terms():
+@pytest.mark.reference("algorithm", "fedpcl")
+def test_the_loss_is_the_global_term_plus_the_sum_of_every_clients_terms_over_k():
     rng = np.random.default_rng(0)
     k, c, d, b = 4, 5, 3, 6
     protos = rng.normal(size=(k, c, d))
-    has = np.ones((k, c))
-    has[0, 2] = has[2, 1] = has[3, [1, 4]] = 0
-    has[:, 3] = 0  # nobody holds class 3: rows of it have no term at all
-    reported = np.array([1.0, 0.0, 1.0, 1.0])
+    present = np.ones((k, c))
+    present[0, 2] = present[2, 1] = present[3, [1, 4]] = 0
+    present[:, 3] = 0  # no set holds class 3: rows of it have no term at all
+    g = rng.normal(size=(c, d))
+    g_present = np.array([1, 1, 0, 0, 1.0])
     r = rng.normal(size=(b, d))
     r /= np.linalg.norm(r, axis=1, keepdims=True)
     y = np.array([0, 1, 2, 3, 4, 1])
     mask = np.array([1, 1, 1, 1, 1, 0.0])
-    w = has * reported[:, None]
-    g = (w[:, :, None] * protos).sum(0) / np.maximum(w.sum(0), 1)[:, None]
-    gp = w.sum(0) > 0
     want = np.zeros(b)
     for i in range(b):
-        def ce(p, present):
-            if not present[y[i]]:
+        def ce(p, there):
+            if not there[y[i]]:
                 return 0.0
-            logits = np.where(present, r[i] @ p.T / TAU, -1e9)
+            logits = np.where(there > 0, r[i] @ p.T / TAU, -1e9)
             return _np_ce(logits[None], y[i:i + 1])[0]
-        holders = [s for s in range(k) if reported[s] and has[s, y[i]]]
-        want[i] = ce(g, gp) + (sum(ce(protos[s], has[s] > 0) for s in holders) /
-                               max(len(holders), 1))
+        # PFLlib: L_g + sum over all K entries of S of their terms / K.
+        want[i] = ce(g, g_present) + sum(ce(protos[s], present[s]) for s in range(k)) / k
     assert want[3] == 0 and want[1] > 0
     got = contrastive_loss(jnp.asarray(r, jnp.float32), jnp.asarray(y), jnp.asarray(mask),
-                           jnp.asarray(protos, jnp.float32), jnp.asarray(has, jnp.float32),
-                           jnp.asarray(reported, jnp.float32), TAU)
+                           jnp.asarray(g, jnp.float32), jnp.asarray(g_present, jnp.float32),
+                           jnp.asarray(protos, jnp.float32), jnp.asarray(present, jnp.float32),
+                           TAU)
     np.testing.assert_allclose(float(got), (want * mask).sum(), rtol=1e-5)
+
+
+@pytest.mark.reference("algorithm", "fedpcl")
+def test_the_set_keeps_stale_prototypes_and_pads_the_missing_with_the_global_ones():
+    """PFLlib's receive_protos / proto_aggregation / prototype_padding over two rounds of
+    4 clients, 3 classes: reporters' entries replaced, the others kept as they were (a
+    never-reporting client's padded once with the first G), missing classes padded with
+    that round's G, a class G lacks left missing; a slot of weight 0 reports nothing."""
+    model = models.build("mlp", 3, hidden=[2])
+    variables = models.init(model, jax.random.PRNGKey(0), (2, 2, 1))
+    algo = fedpcl(model, optax.sgd(0.1), 4, 0.5, tau=TAU)
+    server = algo.server_init(variables)
+    rng = np.random.default_rng(1)
+    p = rng.normal(size=(3, 3, 2)).astype(np.float32)  # round 1's reports of 0, 1, 3
+
+    def update(server, ids, protos, has, weights):
+        info = RoundInfo(0, jnp.asarray(ids), jnp.asarray(weights, jnp.float32), 4)
+        out = {"protos": jnp.asarray(protos * np.asarray(has)[..., None]),
+               "has": jnp.asarray(has, jnp.float32)}
+        return algo.server_update(server, out, info)
+    # Round 1: clients 0 {0, 1} and 1 {0, 2} report; client 3's slot has weight 0.
+    s1 = update(server, [0, 1, 3], p, [[1, 1, 0], [1, 0, 1], [1, 1, 1]], [0.5, 0.5, 0])
+    g1 = np.stack([(p[0, 0] + p[1, 0]) / 2, p[0, 1], p[1, 2]])
+    np.testing.assert_allclose(np.asarray(s1.global_protos), g1, rtol=1e-6)
+    want1 = np.stack([[p[0, 0], p[0, 1], g1[2]], [p[1, 0], g1[1], p[1, 2]], g1, g1])
+    np.testing.assert_allclose(np.asarray(s1.protos), want1, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(s1.present), np.ones((4, 3)))
+    # Round 2: clients 1 {0, 1} and 2 {0} report; nobody holds class 2.
+    q = rng.normal(size=(2, 3, 2)).astype(np.float32)
+    s2 = update(s1, [1, 2], q, [[1, 1, 0], [1, 0, 0]], [0.5, 0.5])
+    g2 = np.stack([(q[0, 0] + q[1, 0]) / 2, q[0, 1], np.zeros(2)])
+    np.testing.assert_allclose(np.asarray(s2.global_protos), g2, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(s2.global_present), [1, 1, 0])
+    got, present = np.asarray(s2.protos), np.asarray(s2.present)
+    np.testing.assert_allclose(got[0], want1[0], rtol=1e-6)  # stale, kept whole
+    np.testing.assert_allclose(got[3], g1, rtol=1e-6)  # padded once, with round 1's G
+    np.testing.assert_allclose(got[1, :2], q[0, :2], rtol=1e-6)
+    np.testing.assert_allclose(got[2, :2], [q[1, 0], g2[1]], rtol=1e-6)
+    np.testing.assert_array_equal(present, [[1, 1, 1], [1, 1, 0], [1, 1, 0], [1, 1, 1]])
+    # Every client downloads G and all K padded entries, with their masks.
+    assert algo.download_bytes(s2, None, 1) == (1 + 4) * (3 * 2 + 3) * 4
 
 
 def _setup(hidden=(24, 16), seed=0):
@@ -92,10 +134,12 @@ def test_first_rounds_collect_then_clients_train_and_score_by_their_prototypes()
             want = r[np.asarray(y) == j].mean(0) if k in ids and (y == j).any() else 0.0
             np.testing.assert_allclose(np.asarray(st["protos"][j]), want, rtol=1e-5,
                                        atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(first.server.reported),
-                                  np.isin(np.arange(6), ids).astype(float))
+    # Clients that have not reported are padded with the global prototypes whole.
+    g = np.asarray(first.server.global_protos)
+    for k in set(range(6)) - set(ids):
+        np.testing.assert_allclose(np.asarray(first.server.protos[k]), g, rtol=1e-6)
     download = sim.download_bytes(first.server, sim.sample(1), 1)
-    assert download == len(sim.sample(1)) * (1 + len(ids)) * (10 * 16 + 10) * 4
+    assert download == len(sim.sample(1)) * (1 + 6) * (10 * 16 + 10) * 4
     second, stats = sim.round(first)
     assert stats["train_loss"] > 0
     again = [k for k in sim.sample(1) if k in ids]  # trained: had prototypes of its own
@@ -103,14 +147,24 @@ def test_first_rounds_collect_then_clients_train_and_score_by_their_prototypes()
     for k in again:
         st = jax.tree_util.tree_map(lambda v: v[k], second.client_states)
         assert max_rel_err(st["variables"]["params"]["fc1"], variables["params"]["fc1"]) > 1e-4
-        # Scored by its own prototypes: the class of the largest r . p_j.
+        # Scored by its own prototypes, the classes it lacks padded with the global
+        # ones: the class of the largest r . p_j.
         personal = algo.personal_variables(second.server, st)
         x = cd.images[:20]
         r = _normalised_features(model, st["variables"], x)
-        p = np.asarray(st["protos"])
-        score = np.where(np.asarray(st["has"]) > 0, r @ p.T, -np.inf)
+        own = np.asarray(st["has"]) > 0
+        g, g_present = (np.asarray(second.server.global_protos),
+                        np.asarray(second.server.global_present) > 0)
+        assert g_present.all()
+        p = np.where(own[:, None], np.asarray(st["protos"]), g)
+        score = r @ p.T
         np.testing.assert_array_equal(
             np.asarray(model.apply(personal, x)).argmax(1), score.argmax(1))
+        # A class it lacks is scored by the global prototype (tiny clients hold all).
+        lacking = {**st, "has": st["has"].at[3].set(0.0),
+                   "protos": st["protos"].at[3].set(0.0)}
+        head = algo.personal_variables(second.server, lacking)["params"]["head"]
+        np.testing.assert_allclose(np.asarray(head["kernel"])[:, 3], g[3], rtol=1e-6)
 
 
 @pytest.mark.slow

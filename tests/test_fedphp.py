@@ -26,6 +26,7 @@ def _np_mmd(x, y, mask):
     return total / len(real) ** 2
 
 
+@pytest.mark.reference("algorithm", "fedphp")
 def test_mmd_is_the_kernel_mean_over_pairs_of_real_rows():
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(6, 5)) * 3, rng.normal(size=(6, 5)) * 3 + 1
@@ -35,6 +36,7 @@ def test_mmd_is_the_kernel_mean_over_pairs_of_real_rows():
     assert float(mmd(jnp.asarray(x), jnp.asarray(x), mask)) == pytest.approx(0, abs=1e-5)
 
 
+@pytest.mark.reference("algorithm", "fedphp")
 def test_the_private_model_is_the_moving_average_and_a_step_mixes_both_terms():
     cd, model, variables, _ = pfl_setup()
     tx = optax.sgd(0.2)

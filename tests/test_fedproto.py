@@ -1,6 +1,7 @@
-"""FedProto: prototype averaging against a NumPy pass over the clients' data, one step's
-objective by hand, nearest-prototype scoring, lam = 0 as Local; clients of several
-networks (engine.groups) against the one-network simulation."""
+"""FedProto: prototype averaging against NumPy, the class means collected from the
+training steps (PFLlib's clientproto.py), one step's objective by hand, nearest-prototype
+scoring, lam = 0 as Local; clients of several networks (engine.groups) against the
+one-network simulation."""
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,7 @@ from fedjax_pan.engine.groups import Groups
 from fedjax_pan.engine.services import Services
 
 SIZES = [27, 39, 19, 36, 62, 13]
-WORK = LocalWork(batch_size=8, epochs=2.0)  # one training epoch, one prototype pass
+WORK = LocalWork(batch_size=8, epochs=2.0)
 LAM = 0.7
 
 
@@ -40,17 +41,19 @@ def _features(model, variables, x):
     return np.asarray(state["intermediates"][FEATURES], np.float64)
 
 
+@pytest.mark.reference("algorithm", "fedproto")
 @pytest.mark.slow
-def test_global_prototypes_average_the_clients_class_means_of_their_trained_models():
-    cd, model, variables, tx = _setup()
-    sim = _simulation(fedproto(model, tx, 0.5, lam=LAM), cd, variables)
+def test_global_prototypes_average_the_clients_class_means():
+    """At learning rate 0 every step sees the initial model, so a client's class means
+    are those of the initial model over its data (each example counted in both epochs)."""
+    cd, model, variables, _ = _setup()
+    sim = _simulation(fedproto(model, optax.sgd(0.0), lam=LAM), cd, variables)
     state, stats = sim.round(sim.init(variables))
     ids = sim.sample(0)
     sums, has = np.zeros((10, 16)), np.zeros(10)
     for k in ids:
         rows = np.asarray(cd.index_table[k][:cd.sizes[k]])
-        mine = jax.tree_util.tree_map(lambda v: v[k], state.client_states)
-        z, y = _features(model, mine, cd.images[rows]), np.asarray(cd.labels[rows])
+        z, y = _features(model, variables, cd.images[rows]), np.asarray(cd.labels[rows])
         for j in np.unique(y):
             sums[j] += cd.sizes[k] * z[y == j].mean(0)
             has[j] += cd.sizes[k]
@@ -58,14 +61,59 @@ def test_global_prototypes_average_the_clients_class_means_of_their_trained_mode
     np.testing.assert_array_equal(np.asarray(state.server.present), present.astype(float))
     np.testing.assert_allclose(np.asarray(state.server.protos)[present],
                                sums[present] / has[present][:, None], rtol=2e-5, atol=1e-6)
-    # Each client processes its data twice: the training epoch, then the pass.
+    # Each client trains on its data twice (two epochs) and makes no other pass.
     assert stats["real_examples"] == sum(2 * cd.sizes[k] for k in ids)
 
 
+@pytest.mark.reference("algorithm", "fedproto")
+def test_class_means_come_from_every_training_step_in_train_mode():
+    """PFLlib's clientproto.py records rep = model.base(x) of each training batch (train
+    mode, the parameters before that batch's step) over every epoch: with BatchNorm, the
+    batch's own statistics, not the running ones."""
+    _, cd = tiny_clients(SIZES)
+    model = models.build("mlp", 10, hidden=[24, 16], norm="batch")
+    variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
+    algo = fedproto(model, optax.sgd(0.2), lam=LAM)
+    server = algo.server_init(variables)
+    server = server._replace(protos=jax.random.normal(jax.random.PRNGKey(1),
+                                                      server.protos.shape),
+                             present=jnp.ones(10))
+    local = algo.client_init(server, algo.client_state_init(server),
+                             ClientContext(jax.random.PRNGKey(0), 3, 20, 0, 1, jnp.ones(10)))
+    sums, counts = np.zeros((10, 16)), np.zeros(10)
+    state = {k: v for k, v in variables.items() if k != "params"}
+    params = variables["params"]
+    for i in range(3):
+        rows = slice(8 * i, 8 * i + 8)
+        batch = {"x": cd.images[rows], "y": cd.labels[rows],
+                 "mask": jnp.ones(8).at[7].set(0.0 if i == 1 else 1.0)}
+        _, st = model.apply({"params": params, **state}, batch["x"], train=True,
+                            mask=batch["mask"], mutable=["intermediates", *state])
+        z, y, m = (np.asarray(st["intermediates"][FEATURES], np.float64),
+                   np.asarray(batch["y"]), np.asarray(batch["mask"]))
+        for j in range(8):
+            sums[y[j]] += m[j] * z[j]
+            counts[y[j]] += m[j]
+        local, _ = algo.client_step(local, batch, server)
+        params, state = local.train.params, local.train.model_state
+    out, _ = algo.client_output(local, server)
+    has = counts > 0
+    np.testing.assert_array_equal(np.asarray(out["has"]), has.astype(float))
+    np.testing.assert_allclose(np.asarray(out["protos"])[has],
+                               sums[has] / counts[has][:, None], rtol=1e-5, atol=1e-6)
+    # Not the eval-mode features (running statistics) of the same model.
+    eval_z = _features(model, {"params": variables["params"], **{
+        k: v for k, v in variables.items() if k != "params"}}, cd.images[:8])
+    _, st = model.apply(variables, cd.images[:8], train=True, mask=jnp.ones(8),
+                        mutable=["intermediates", "batch_stats"])
+    assert np.abs(eval_z - np.asarray(st["intermediates"][FEATURES])).max() > 1e-3
+
+
+@pytest.mark.reference("algorithm", "fedproto")
 def test_a_step_minimises_ce_plus_lam_times_the_distance_to_the_prototypes():
     cd, model, variables, _ = _setup()
     tx = optax.sgd(0.2)
-    algo = fedproto(model, tx, 0.5, lam=LAM)
+    algo = fedproto(model, tx, lam=LAM)
     server = algo.server_init(variables)
     protos = jax.random.normal(jax.random.PRNGKey(1), server.protos.shape)
     present = jnp.asarray([1, 1, 0, 1, 1, 1, 0, 1, 1, 1], jnp.float32)
@@ -108,10 +156,9 @@ def test_clients_are_scored_by_their_nearest_prototype():
 @pytest.mark.slow
 def test_lam_zero_trains_each_clients_model_as_local_training_does():
     cd, model, variables, tx = _setup()
-    sim = _simulation(fedproto(model, tx, 0.5, lam=0.0), cd, variables)
-    one = LocalWork(batch_size=8, epochs=1.0)
+    sim = _simulation(fedproto(model, tx, lam=0.0), cd, variables)
     local = partial_sharing(model, tx, PERSONAL["local"])
-    ref = _simulation(local, cd, variables, work=one)
+    ref = _simulation(local, cd, variables)
     a, b = sim.init(variables), ref.init(variables)
     for _ in range(2):
         a, _ = sim.round(a)
@@ -122,7 +169,7 @@ def test_lam_zero_trains_each_clients_model_as_local_training_does():
         np.testing.assert_allclose(mine[key], theirs, rtol=1e-6, atol=1e-7)
     # Before any prototype a client scores its own head; after, its prototype head.
     first = jax.tree_util.tree_map(lambda v: v[0], sim.init(variables).client_states)
-    assert max_rel_err(fedproto(model, tx, 0.5).personal_variables(
+    assert max_rel_err(fedproto(model, tx).personal_variables(
         sim.init(variables).server, first), first) == 0
 
 
@@ -136,7 +183,7 @@ def test_groups_of_one_network_give_the_simulations_numbers():
     """One group over every client is the Simulation exactly; the same network split
     into two groups, to float32 rounding of the sums' order."""
     cd, model, variables, tx = _setup()
-    algo = fedproto(model, tx, 0.5, lam=LAM)
+    algo = fedproto(model, tx, lam=LAM)
     sim = _simulation(algo, cd, variables)
     want = sim.init(variables)
     for _ in range(2):
@@ -162,7 +209,7 @@ def test_groups_of_one_network_give_the_simulations_numbers():
 def test_networks_of_several_architectures_share_prototypes():
     cd, model, variables, tx = _setup()
     deep, dvars = _setup(hidden=(32, 24, 16), seed=1)[1:3]
-    algos = [fedproto(m, tx, 0.5, lam=LAM) for m in (model, deep)]
+    algos = [fedproto(m, tx, lam=LAM) for m in (model, deep)]
     g = _groups(algos, [model, deep], [variables, dvars], cd, np.arange(6) % 2)
     state = g.init(None)
     state, stats = g.round(state)
@@ -173,7 +220,7 @@ def test_networks_of_several_architectures_share_prototypes():
     wide = models.build("mlp", 10, hidden=[20])
     wvars = models.init(wide, jax.random.PRNGKey(2), (6, 6, 1))
     with pytest.raises(ValueError, match=r"architecture 1 \(MLP\) sends outputs shaped"):
-        _groups([algos[0], fedproto(wide, tx, 0.5)], [model, wide], [variables, wvars], cd,
+        _groups([algos[0], fedproto(wide, tx)], [model, wide], [variables, wvars], cd,
                 np.arange(6) % 2)
 
 

@@ -17,6 +17,7 @@ SIZES = [27, 39, 19, 36, 62, 13]
 WORK = LocalWork(batch_size=8, epochs=2.0)
 
 
+@pytest.mark.reference("algorithm", "fedprox")
 def test_proximal_term_by_hand():
     params = {"a": jnp.asarray([1.0, 2.0]), "b": {"c": jnp.asarray([[0.25]])}}
     anchor = {"a": jnp.asarray([0.0, 0.5]), "b": {"c": jnp.asarray([[0.0]])}}

@@ -14,6 +14,7 @@ from fedjax_pan.defaults import default_config
 from fedjax_pan.engine.reference import client_batches
 
 
+@pytest.mark.reference("algorithm", "fedrep")
 @pytest.mark.parametrize("share", [0.25, 0.6])
 def test_a_round_is_head_steps_then_body_steps(share):
     cd, model, variables, tx = pfl_setup()

@@ -14,6 +14,7 @@ from fedjax_pan.algorithms.fedrod import balanced_softmax_sum, fedrod
 from fedjax_pan.engine.reference import client_batches
 
 
+@pytest.mark.reference("algorithm", "fedrod")
 def test_balanced_softmax_by_hand():
     logits = np.asarray([[1.0, 0.5, -1.0], [0.2, 0.1, 0.3]])
     counts = np.asarray([3.0, 1.0, 0.0])  # class 2 absent
@@ -34,6 +35,7 @@ def _logits_and_features(model, params, x):
     return logits, state["intermediates"]["features_out"]
 
 
+@pytest.mark.reference("algorithm", "fedrod")
 def test_a_round_against_an_independent_loop():
     cd, model, variables, tx = pfl_setup()
     sim, states, _ = pfl_rounds(fedrod(model, tx), cd, variables, rounds=1)

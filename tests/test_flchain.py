@@ -1,17 +1,21 @@
 """FLChain: an honest run is FedAvg's to the bit (the loop executor's order); tampering proposers cannot commit; the
-audit locates any flipped byte; resume continues a ledger and refuses one that does not
-verify."""
+audit locates any flipped byte, and with the run's anchor any rewritten, re-signed, cut or
+reordered history; keys come from the OS and stay out of the ledger; resume continues a
+ledger and refuses one that does not verify, or whose keys are gone."""
 
 import glob
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedjax_pan import experiment, ledger
 from fedjax_pan.algorithms import flchain
@@ -58,6 +62,8 @@ def test_an_honest_chain_is_fedavg_to_the_bit(honest, tmp_path):
 def test_the_ledger_records_every_round(honest):
     path, summary = honest
     counts = ledger.verify(path)
+    assert counts["anchored"] is False  # internal consistency only
+    assert ledger.verify(path, anchor=summary["ledger_anchor"])["anchored"] is True
     store = ledger.Ledger(os.path.join(path, "ledger"))
     assert store.heights(0) == list(range(ROUNDS + 1))
     genesis = store.read(0, 0)
@@ -82,6 +88,31 @@ def test_the_ledger_records_every_round(honest):
     np.testing.assert_array_equal(
         final["params/fc1/kernel"],
         np.asarray(summary.state.server["channels"][0].params["fc1"]["kernel"]))
+
+
+@pytest.mark.reference("algorithm", "flchain")
+def test_every_committed_model_is_eq_7_of_its_block_written_in_numpy(honest):
+    # Eq. 7, w(t+1) = w(t) + sum_i a_i (w_i(t) - w(t)) / sum_i a_i, read from the ledger's
+    # own files: a_i = 1 under the genesis rule's uniform weights, |D_i| under num_examples.
+    path, _ = honest
+    store = ledger.Ledger(os.path.join(path, "ledger"))
+    genesis = store.read(0, 0)["header"]
+    assert genesis["rule"] == {"lr": 1.0, "momentum": 0.0, "optimizer": "sgd",
+                               "weights": "uniform"}
+    model = ledger.decode_tree(store.get(genesis["model"]))
+    for height in range(1, ROUNDS + 1):
+        block = store.read(0, height)
+        updates = [ledger.decode_tree(store.get(tx["digest"])) for tx in block["transactions"]
+                   if tx["type"] == "update"]
+        assert updates
+        a = np.ones(len(updates))
+        want = {k: np.asarray(w, np.float64) + sum(
+            ai * np.asarray(u["delta/" + k.split("/", 1)[1]], np.float64)
+            for ai, u in zip(a, updates)) / a.sum() for k, w in model.items()}
+        model = ledger.decode_tree(store.get(block["header"]["model"]))
+        assert set(model) == set(want)
+        for k in want:
+            np.testing.assert_allclose(model[k], want[k], rtol=1e-5, atol=1e-7)
 
 
 def _flip(path, offset):
@@ -168,14 +199,242 @@ def test_every_tamper_case_is_located(honest, tmp_path, case, where, why):
     assert where in str(e.value)
 
 
-@pytest.mark.slow  # two interpreters start
-def test_verify_from_the_command_line(honest, tmp_path):
+# --- keys and the anchor: what the run's owner holds outside the ledger --------------------
+
+def _old_key(seed, role, index):
+    """A key derived as FLChain derived them before format 2: from the config's seed, which
+    config.json hands to anyone (the forger's key)."""
+    rng = np.random.default_rng([seed, 0xF1C4, {"device": 0, "validator": 1}[role], index])
+    return Ed25519PrivateKey.from_private_bytes(rng.bytes(32))
+
+
+def _sign_votes(block, seed, keys=None):
+    """`block`'s votes signed again: by the seed-derived keys, or by `keys` (the run's)."""
+    digest = bytes.fromhex(block["hash"])
+    key = (lambda v: keys.validators[v]) if keys else (lambda v: _old_key(seed, "validator", v))
+    block["votes"] = [{"validator": v["validator"], "signature": ledger.sign(
+        key(v["validator"]), ledger.VOTE_DOMAIN, digest)} for v in block["votes"]]
+
+
+def _resign_everything(workdir, seed):
+    """The forger's full rewrite: every channel's genesis names the seed-derived keys, and
+    every registration, transaction, hash, link and vote is made again with them."""
+    store = ledger.Ledger(os.path.join(workdir, "ledger"))
+    for j in store.channels():
+        prev = None
+        for height in store.heights(j):
+            block = store.read(j, height)
+            h = block["header"]
+            for tx in block["transactions"]:
+                key = _old_key(seed, "device", tx["device"])
+                if height == 0:
+                    tx["public_key"] = ledger.public_hex(key)
+                tx["signature"] = ledger.sign(key, ledger.TX_DOMAIN,
+                                              ledger.canonical(ledger.tx_body(tx)))
+            h["tx_root"] = ledger.merkle_root([ledger.canonical(t)
+                                               for t in block["transactions"]])
+            if height == 0:
+                h["validators"] = [ledger.public_hex(_old_key(seed, "validator", v))
+                                   for v in range(len(h["validators"]))]
+            else:
+                h["prev_hash"], h["prev_votes"] = prev["hash"], ledger.votes_digest(prev["votes"])
+            block["hash"] = ledger.block_hash(h)
+            _sign_votes(block, seed)
+            open(store.block_path(j, height), "wb").write(ledger.canonical(block))
+            prev = block
+
+
+def test_keys_are_the_os_s_kept_private_beside_the_ledger(honest):
+    path, summary = honest
+    keys = ledger.Keys.load(path)
+    assert stat.S_IMODE(os.stat(ledger.keys_path(path)).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.join(path, "keys")).st_mode) == 0o700
+    genesis = ledger.Ledger(os.path.join(path, "ledger")).read(0, 0)
+    seed = summary.experiment.config.seed
+    assert genesis["header"]["validators"] == [ledger.public_hex(k) for k in keys.validators]
+    assert genesis["header"]["validators"][0] != \
+        ledger.public_hex(_old_key(seed, "validator", 0))  # not the seed's
+    assert genesis["header"]["format"] == ledger.LEDGER_FORMAT
+    # No private key is anywhere in the ledger or the run's other records.
+    secrets = keys.to_json()["validators"] + keys.to_json()["devices"]
+    for name in glob.glob(os.path.join(path, "**", "*"), recursive=True):
+        if os.path.isfile(name) and not name.startswith(os.path.join(path, "keys")):
+            data = open(name, "rb").read()
+            assert not any(x.encode() in data for x in secrets), name
+    # The anchor in the summary is the ledger's head.
+    head = ledger.Ledger(os.path.join(path, "ledger")).read(0, ROUNDS)
+    assert summary["ledger_anchor"] == ledger.anchor({0: head}, genesis["header"]["validators"])
+    assert json.load(open(os.path.join(path, "summary.json")))["ledger_anchor"] == \
+        summary["ledger_anchor"]
+
+
+def _block_key(b):
+    b["note"] = "x"
+
+
+@pytest.mark.parametrize("case,where,why", [
+    # The forgery: block 3's header rewritten, its votes re-signed with seed-derived keys.
+    ("forged_votes", "000003.json", "vote of validator 0: the signature does not sign"),
+    # The whole ledger re-signed with seed-derived keys passes every internal check; the
+    # anchor's validators do not match.
+    ("forged_ledger", "000000.json", "validators' keys .* are not the anchor's"),
+    # Whoever holds the run's keys (its operator) can rewrite and re-sign the head, or
+    # append a block: internally consistent, but not the anchor's head.
+    ("rewritten_with_keys", "000003.json", "is not the anchor's head .*the chain was rewritten"),
+    ("deleted_last", "000003.json", "block 3 of channel 0 is missing: the anchor's head is "
+                                    "block 3"),
+    ("appended", "000004.json", "lies beyond the anchor's head"),
+    ("vote_removed", "000002.json", "its votes are not those block 3's header records"),
+    ("head_vote_removed", "000003.json", "its votes are not the anchor's head's"),
+    ("votes_reordered", "000002.json", "not sorted by validator"),
+    ("vote_twice", "000002.json", "validator 1 is not one validator's single vote"),
+    ("block_key", "000002.json", "the block has the extra key"),
+    ("header_key", "000002.json", "its header has the extra key"),
+    ("transaction_key", "000002.json", r"transaction 0 \(device \d+\) has the extra key"),
+    ("registration_key", "000000.json", r"transaction 0 \(device \d+\) has the extra key"),
+    ("vote_key", "000002.json", "a vote has the extra key"),
+    ("vote_missing_key", "000002.json", "a vote has no 'signature'"),
+])
+def test_a_rewritten_history_fails_against_the_anchor(honest, tmp_path, case, where, why):
+    path, summary = honest
+    seed = summary.experiment.config.seed
+    copy = str(tmp_path / "copy")
+    shutil.copytree(path, copy)
+    store = ledger.Ledger(os.path.join(copy, "ledger"))
+    block = lambda height: store.block_path(0, height)
+    if case == "forged_votes":
+        def forge(b):
+            b["header"]["proposer"] = (b["header"]["proposer"] + 1) % 4
+            b["hash"] = ledger.block_hash(b["header"])
+            _sign_votes(b, seed)
+        _edit_block(block(3), forge)
+    elif case == "forged_ledger":
+        _resign_everything(copy, seed)
+        assert ledger.verify(copy)["blocks"] == ROUNDS + 1  # internally consistent
+    elif case == "deleted_last":
+        os.remove(block(3))
+        assert not ledger.verify(copy)["anchored"]  # passes without the anchor
+    elif case == "rewritten_with_keys":
+        def rewrite(b):
+            b["header"]["proposer"] = (b["header"]["proposer"] + 1) % 4
+            b["hash"] = ledger.block_hash(b["header"])
+            _sign_votes(b, seed, ledger.Keys.load(copy))
+        _edit_block(block(3), rewrite)
+        assert ledger.verify(copy)["blocks"] == ROUNDS + 1
+    elif case == "appended":  # an empty block (the model unchanged), signed by the run's keys
+        head = store.read(0, 3)
+        nxt = json.loads(json.dumps(head))
+        nxt["transactions"] = []
+        nxt["header"].update(height=4, round=3, prev_hash=head["hash"],
+                             prev_votes=ledger.votes_digest(head["votes"]),
+                             tx_root=ledger.merkle_root([]))
+        nxt["hash"] = ledger.block_hash(nxt["header"])
+        _sign_votes(nxt, seed, ledger.Keys.load(copy))
+        open(block(4), "wb").write(ledger.canonical(nxt))
+        assert ledger.verify(copy)["blocks"] == ROUNDS + 2
+    elif case in ("vote_removed", "head_vote_removed"):
+        height = 2 if case == "vote_removed" else 3
+        assert len(store.read(0, height)["votes"]) > ledger.quorum(4)  # one beyond the quorum
+        _edit_block(block(height), lambda b: b["votes"].pop())
+        if height == 3:  # the head's votes: only the anchor binds them
+            assert ledger.verify(copy)["blocks"] == ROUNDS + 1
+    elif case == "votes_reordered":
+        _edit_block(block(2), lambda b: b["votes"].reverse())
+    elif case == "vote_twice":
+        _edit_block(block(2), lambda b: b["votes"].__setitem__(slice(None), [
+            b["votes"][0], b["votes"][1], b["votes"][1]]))
+    elif case == "block_key":
+        _edit_block(block(2), _block_key)
+    elif case == "header_key":
+        _edit_block(block(2), lambda b: _block_key(b["header"]))
+    elif case == "transaction_key":
+        _edit_block(block(2), lambda b: _block_key(b["transactions"][0]))
+    elif case == "registration_key":
+        _edit_block(block(0), lambda b: _block_key(b["transactions"][0]))
+    elif case == "vote_key":
+        _edit_block(block(2), lambda b: _block_key(b["votes"][0]))
+    else:
+        _edit_block(block(2), lambda b: b["votes"][0].pop("signature"))
+    with pytest.raises(ledger.LedgerError, match=why) as e:
+        ledger.verify(copy, anchor=summary["ledger_anchor"])
+    assert where in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_expected_validators_are_checked_without_an_anchor(honest, tmp_path):
+    path, summary = honest
+    genesis = ledger.Ledger(os.path.join(path, "ledger")).read(0, 0)["header"]
+    assert ledger.verify(path, validators=genesis["validators"])["blocks"] == ROUNDS + 1
+    assert ledger.verify(path, validators="sha256:" + ledger.fingerprint(
+        genesis["validators"]))["anchored"] is False
+    with pytest.raises(ledger.LedgerError, match=r"000000\.json.*not the expected"):
+        ledger.verify(path, validators=genesis["validators"][::-1])
+
+
+def test_a_ledger_written_before_format_2_is_refused(honest, tmp_path):
     path, _ = honest
-    run = lambda d: subprocess.run([sys.executable, "-m", "fedjax_pan.ledger", d],
-                                   capture_output=True, text=True, cwd=ROOT)
+    copy = str(tmp_path / "copy")
+    shutil.copytree(path, copy)
+    genesis = ledger.Ledger(os.path.join(copy, "ledger")).block_path(0, 0)
+    _edit_block(genesis, lambda b: b["header"].pop("format"))
+    with pytest.raises(ledger.LedgerFormatError,
+                       match=r"000000\.json.*ledger format 1 written before .*this verifier "
+                             r"reads format 2") as e:
+        ledger.verify(copy)
+    assert e.value.status == 2
+    with pytest.raises(ConfigError, match="ledger does not verify.*ledger format 1"):
+        experiment.train(config(rounds=ROUNDS, algorithm="flchain",
+                                execution__strategy="loop"), copy, resume=True, progress=False)
+
+
+def test_the_command_line_anchors_the_audit(honest, tmp_path, capsys):
+    """`python -m fedjax_pan.ledger`'s own code, in this process (the slow test below runs
+    it as a command)."""
+    path, summary = honest
+
+    def run(*argv):
+        code = ledger.main(list(argv))
+        out, err = capsys.readouterr()
+        return code, out, err
+    code, out, _ = run(path)
+    assert code == 0 and f"{ROUNDS + 1} blocks" in out
+    # Without --anchor, the summary's, with a note that it lies in the same folder.
+    assert "verified against the anchor in" in out and "summary.json" in out
+    assert "note: that anchor lies in the folder it vouches for" in out
+    owner = str(tmp_path / "owner_anchor.json")
+    with open(owner, "w") as f:
+        json.dump(summary["ledger_anchor"], f)
+    fp = summary["ledger_anchor"]["validators_sha256"]
+    code, out, err = run(path, "--anchor", owner, "--validators", f"sha256:{fp}")
+    assert code == 0, err
+    assert f"verified against the anchor in {owner}" in out and "note:" not in out
+    # A workdir without a summary: internal consistency only, and it says so.
+    bare = str(tmp_path / "bare")
+    shutil.copytree(path, bare)
+    os.remove(os.path.join(bare, "summary.json"))
+    code, out, _ = run(bare)
+    assert code == 0 and "internal consistency only" in out and "no anchor given" in out
+    os.remove(os.path.join(bare, "ledger", "channel_0", f"{ROUNDS:06d}.json"))
+    code, _, err = run(bare, "--anchor", owner)
+    assert code == 1 and err.count("\n") == 1
+    assert f"block {ROUNDS} of channel 0 is missing" in err
+    code, _, err = run(path, "--validators", "sha256:" + "0" * 64)
+    assert code == 1 and "not the expected validators'" in err
+    for args in ([str(tmp_path / "none")], [], [path, path], ["--help"],
+                 [path, "--anchor", str(tmp_path / "none.json")], [path, "--anchor"],
+                 [path, "--validators", "nothing"]):
+        code, _, err = run(*args)
+        assert code == 2, args
+        assert err.count("\n") == 1 and err.startswith("error:"), args
+
+
+@pytest.mark.slow  # four interpreters start
+def test_verify_from_the_command_line(honest, tmp_path):
+    path, summary = honest
+    run = lambda d, *args: subprocess.run([sys.executable, "-m", "fedjax_pan.ledger", d, *args],
+                                          capture_output=True, text=True, cwd=ROOT)
     ok = run(path)
     assert ok.returncode == 0, ok.stderr
-    assert f"{ROUNDS + 1} blocks" in ok.stdout
+    assert f"{ROUNDS + 1} blocks" in ok.stdout and "note:" in ok.stdout
     copy = str(tmp_path / "copy")
     shutil.copytree(path, copy)
     block = os.path.join(copy, "ledger", "channel_0", "000002.json")
@@ -185,11 +444,16 @@ def test_verify_from_the_command_line(honest, tmp_path):
     assert bad.returncode == 1
     assert bad.stderr.count("\n") == 1 and "000002.json" in bad.stderr
     assert "hash does not match" in bad.stderr
-    for args in ([str(tmp_path / "none")], [], [path, path], ["--help"]):
-        wrong = subprocess.run([sys.executable, "-m", "fedjax_pan.ledger", *args],
-                               capture_output=True, text=True, cwd=ROOT)
-        assert wrong.returncode == 2, args
-        assert wrong.stderr.count("\n") == 1 and wrong.stderr.startswith("error:"), args
+    old = str(tmp_path / "old")
+    shutil.copytree(path, old)
+    _edit_block(os.path.join(old, "ledger", "channel_0", "000000.json"),
+                lambda b: b["header"].pop("format"))
+    refused = run(old)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "ledger format 1 written before" in refused.stderr
+    wrong = run(str(tmp_path / "none"))
+    assert wrong.returncode == 2
+    assert wrong.stderr.count("\n") == 1 and wrong.stderr.startswith("error:")
 
 
 @pytest.mark.parametrize("tamper,reason", [
@@ -252,24 +516,57 @@ def test_more_than_f_faulty_validators_stall_the_channel(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), b)
 
 
-def test_resume_continues_the_ledger_and_refuses_a_tampered_one(honest, tmp_path):
+def _ledger_bytes(workdir):
+    root = os.path.join(workdir, "ledger")
+    return {os.path.relpath(p, root): open(p, "rb").read()
+            for p in sorted(glob.glob(os.path.join(root, "*", "*")))}
+
+
+def test_resume_continues_the_ledger_and_refuses_a_tampered_one(honest, tmp_path,
+                                                                 monkeypatch):
     path, full = honest
     part = str(tmp_path / "part")
+    # The honest run's keys (as if drawn again): the same ledger, byte for byte.
+    monkeypatch.setattr(ledger.Keys, "generate", lambda n, k: ledger.Keys.load(path))
     _run(part, rounds=ROUNDS, checkpoint_every=2)
+    monkeypatch.undo()
     # A crash after round 3's block was committed but before its checkpoint landed.
     shutil.rmtree(os.path.join(part, "checkpoints", str(ROUNDS)))
-    bad = str(tmp_path / "bad")
-    shutil.copytree(part, bad)
-    resumed = experiment.train(config(rounds=ROUNDS, algorithm="flchain", checkpoint_every=2,
-                                      execution__strategy="loop"), part, resume=True,
-                               progress=False)
+    bad, keyless, other = (str(tmp_path / n) for n in ("bad", "keyless", "other"))
+    for copy in (bad, keyless, other):
+        shutil.copytree(part, copy)
+    resume = lambda d: experiment.train(config(rounds=ROUNDS, algorithm="flchain",
+                                               checkpoint_every=2, execution__strategy="loop"),
+                                        d, resume=True, progress=False)
+    resumed = resume(part)
     for a, b in zip(_params(full), _params(resumed)):
         np.testing.assert_array_equal(a, b)
-    assert ledger.verify(part)["blocks"] == ROUNDS + 1
+    assert ledger.verify(part, anchor=full["ledger_anchor"])["blocks"] == ROUNDS + 1
+    assert _ledger_bytes(part) == _ledger_bytes(path)
     _flip(glob.glob(os.path.join(bad, "ledger", "channel_0", "000001.json"))[0], 40)
     with pytest.raises(ConfigError, match="ledger does not verify.*000001.json"):
-        experiment.train(config(rounds=ROUNDS, algorithm="flchain", checkpoint_every=2,
-                                execution__strategy="loop"), bad, resume=True, progress=False)
+        resume(bad)
+    # Without its keys no block can be signed: refused in one line.
+    shutil.rmtree(os.path.join(keyless, "keys"))
+    with pytest.raises(ConfigError, match=r"cannot resume .*private keys .*keys\.json are "
+                                          r"missing") as e:
+        resume(keyless)
+    assert "\n" not in str(e.value) and e.value.status == 2
+    ledger.Keys.generate(4, len(full.experiment.client_indices)).save(other)
+    with pytest.raises(ConfigError, match="not those the genesis block of channel 0 "
+                                          "registered"):
+        resume(other)
+
+
+def test_keys_do_not_change_the_run(honest, tmp_path):
+    """Two runs of one seed draw different keys and train the same models."""
+    path, full = honest
+    again = _run(tmp_path, rounds=1)
+    first = lambda d: ledger.Ledger(os.path.join(d, "ledger")).read(0, 1)
+    assert first(path)["header"]["state_root"] == first(str(tmp_path))["header"]["state_root"]
+    assert first(path)["votes"] != first(str(tmp_path))["votes"]
+    assert again["ledger_anchor"]["validators_sha256"] != \
+        full["ledger_anchor"]["validators_sha256"]
 
 
 def test_channels_train_their_own_models(tmp_path):

@@ -30,6 +30,7 @@ def _ctx():
     return ClientContext(jax.random.PRNGKey(0), 6, 20, 0, 1, jnp.ones(10))
 
 
+@pytest.mark.reference("algorithm", "fml")
 def test_kl_reductions_match_numpy():
     rng = np.random.default_rng(0)
     t, s = rng.normal(size=(5, 4)), rng.normal(size=(5, 4))
@@ -46,6 +47,7 @@ def test_kl_reductions_match_numpy():
 
 
 @pytest.mark.parametrize("detach", [False, True])
+@pytest.mark.reference("algorithm", "fml")
 def test_a_step_follows_pfllibs_mutual_objective_with_clipping(detach):
     cd, model, variables, _ = pfl_setup()
     lr, alpha, beta, clip = 0.3, 0.6, 0.25, 0.05

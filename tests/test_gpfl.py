@@ -28,6 +28,7 @@ def _np(tree):
     return jax.tree_util.tree_map(np.asarray, tree)
 
 
+@pytest.mark.reference("algorithm", "gpfl")
 def test_pieces_match_numpy():
     rng = np.random.default_rng(0)
     b, d, c = 6, 5, 4

@@ -27,6 +27,7 @@ def _soft(rng, n, p, c):
     return np.exp(z) / np.exp(z).sum(-1, keepdims=True)
 
 
+@pytest.mark.reference("algorithm", "ktpfl")
 def test_coefficient_step_matches_the_hand_computed_gradient():
     rng = np.random.default_rng(0)
     n, p, c = 3, 4, 5
@@ -205,6 +206,7 @@ def test_mixed_networks_train_their_own_models():
     assert all(max_rel_err(v, s) == 0 for (_, _, v), s in zip(groups, states[2].client_states))
 
 
+@pytest.mark.reference("algorithm", "ktpfl")
 def test_simplex_projection_by_hand_and_keeping_targets_distributions():
     coef = jnp.asarray([[0.5, 0.2], [0.8, 0.3], [-0.2, 0.5]], jnp.float32)
     # Column 0 by hand: sorted 0.8, 0.5, -0.2 keeps two, theta = (1.3 - 1) / 2 = 0.15;

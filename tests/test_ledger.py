@@ -1,7 +1,10 @@
-"""The ledger's hashes, Merkle roots, signatures, quorum arithmetic and storage, against
-hashlib on hand-built inputs."""
+"""The ledger's hashes, Merkle roots, signatures, quorum arithmetic, storage, keys and
+anchor, against hashlib on hand-built inputs."""
 
 import hashlib
+import json
+import os
+import stat
 import struct
 
 import numpy as np
@@ -65,17 +68,31 @@ def test_tree_encoding_and_state_root_by_hand():
         ledger.decode_tree(b"\x00\x00\x00\x05abc")
 
 
-def _keys(n=3, seed=0):
-    return [ledger.signing_key(seed, "device", i) for i in range(n)]
+def _keys(n=3):
+    return [ledger.new_key() for _ in range(n)]
 
 
-def test_keys_come_from_the_seed():
-    assert ledger.public_hex(ledger.signing_key(0, "device", 1)) == \
-        ledger.public_hex(ledger.signing_key(0, "device", 1))
-    assert ledger.public_hex(ledger.signing_key(0, "device", 1)) != \
-        ledger.public_hex(ledger.signing_key(1, "device", 1))
-    assert ledger.public_hex(ledger.signing_key(0, "device", 1)) != \
-        ledger.public_hex(ledger.signing_key(0, "validator", 1))
+def test_keys_come_from_the_os_and_are_kept_private(tmp_path, monkeypatch):
+    # Every key is fresh: no seed reproduces it.
+    assert len({ledger.public_hex(k) for k in _keys(8)}) == 8
+    drawn = []
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: drawn.append(n) or real(n))
+    ledger.new_key()
+    assert drawn == [32]  # its 32 private bytes are the OS's
+    monkeypatch.undo()
+    keys = ledger.Keys.generate(2, 3)
+    path = keys.save(str(tmp_path))
+    assert path == str(tmp_path / "keys" / "keys.json")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "keys").st_mode) == 0o700
+    back = ledger.Keys.load(str(tmp_path))
+    assert [ledger.public_hex(k) for k in back.validators + back.devices] == \
+        [ledger.public_hex(k) for k in keys.validators + keys.devices]
+    with open(path, "w") as f:
+        json.dump({**keys.to_json(), "extra": 1}, f)
+    with pytest.raises(ValueError, match="extra key"):
+        ledger.Keys.load(str(tmp_path))
 
 
 def test_transactions_refuse_forgery_and_replay():
@@ -115,7 +132,7 @@ def test_quorums_intersect_in_an_honest_validator():
 
 
 def test_votes_commit_a_block_only_at_the_quorum():
-    validators = [ledger.signing_key(0, "validator", v) for v in range(4)]
+    validators = _keys(4)
     public = [ledger.public_hex(k) for k in validators]
     header = {"channel": 0, "height": 1}
     block = {"header": header, "hash": ledger.block_hash(header), "votes": []}
@@ -129,7 +146,17 @@ def test_votes_commit_a_block_only_at_the_quorum():
     block["votes"] = [vote(0), vote(1)]
     assert "quorum is 3" in ledger.check_votes(block, public, 3)
     block["votes"] = [vote(0), vote(1), vote(1)]
-    assert "single vote" in ledger.check_votes(block, public, 3)
+    assert "validator 1 is not one validator's single vote" in \
+        ledger.check_votes(block, public, 3)
+    # Sorted by validator, each exactly {validator, signature}.
+    block["votes"] = [vote(1), vote(0), vote(2)]
+    assert "not sorted by validator" in ledger.check_votes(block, public, 3)
+    block["votes"] = [vote(0), vote(1), {**vote(2), "weight": 9}]
+    assert "extra key(s) 'weight'" in ledger.check_votes(block, public, 3)
+    block["votes"] = [vote(0), vote(1), {"validator": 2}]
+    assert "no 'signature'" in ledger.check_votes(block, public, 3)
+    block["votes"] = [vote(0), vote(1), {**vote(2), "validator": True}]
+    assert "no such validator" in ledger.check_votes(block, public, 3)
     block["votes"] = [vote(0), vote(1), vote(2, validators[3])]
     assert "validator 2" in ledger.check_votes(block, public, 3)
     # A vote is for one block: the same signature does not sign another hash.
@@ -155,3 +182,48 @@ def test_storage_is_content_addressed_and_append_only(tmp_path):
     with pytest.raises(ledger.LedgerError, match="block 1 of channel 0 is missing"):
         store.append(gap)
     assert store.read(0, 0) == block
+
+
+def test_anchor_records_validators_heads_and_votes(tmp_path):
+    validators = [ledger.public_hex(k) for k in _keys(4)]
+    assert ledger.fingerprint(validators) == \
+        hashlib.sha256(json.dumps(validators, separators=(",", ":")).encode()).hexdigest()
+    votes = [{"signature": "ab", "validator": 0}]
+    head = {"header": {"height": 7}, "hash": "cd" * 32, "votes": votes}
+    a = ledger.anchor({0: head}, validators)
+    assert a == {"ledger_format": ledger.LEDGER_FORMAT,
+                 "validators_sha256": ledger.fingerprint(validators),
+                 "channels": [{"channel": 0, "height": 7, "head": "cd" * 32,
+                               "head_votes": hashlib.sha256(
+                                   b'[{"signature":"ab","validator":0}]').hexdigest()}]}
+    assert ledger.check_anchor(a) is a
+    for bad, why in [({**a, "x": 1}, "extra key"), ({**a, "ledger_format": 1}, "format 1"),
+                     ({**a, "channels": a["channels"] * 2}, "twice"),
+                     ({**a, "validators_sha256": "zz"}, "not a SHA-256")]:
+        with pytest.raises(ValueError, match=why):
+            ledger.check_anchor(bad)
+    # The anchor file: the anchor itself, or a run's summary.json holding it.
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "summary.json").write_text(json.dumps({"final_accuracy": 0.5,
+                                                       "ledger_anchor": a}))
+    assert ledger.read_anchor(str(tmp_path / "a.json")) == a
+    assert ledger.read_anchor(str(tmp_path / "summary.json")) == a
+    # The expected validators: a fingerprint (with or without 'sha256:') or a file.
+    fp = ledger.fingerprint(validators)
+    assert ledger.read_validators(fp) == ledger.read_validators(f"sha256:{fp}") == fp
+    (tmp_path / "v.json").write_text(json.dumps(validators))
+    assert ledger.read_validators(str(tmp_path / "v.json")) == fp
+    assert ledger.read_validators(str(tmp_path / "summary.json")) == fp
+    with pytest.raises(OSError):
+        ledger.read_validators(str(tmp_path / "none.json"))
+
+
+def test_command_line_arguments():
+    assert ledger._arguments(["w"]) == ("w", None, None)
+    assert ledger._arguments(["--anchor", "a.json", "w", "--validators=sha256:ab"]) == \
+        ("w", "a.json", "sha256:ab")
+    for argv, why in [([], "one WORKDIR"), (["w", "v"], "unexpected"), (["--help"], "unexpected"),
+                      (["w", "--anchor"], "needs a value"),
+                      (["w", "--anchor", "a", "--anchor", "b"], "twice")]:
+        with pytest.raises(ValueError, match=why):
+            ledger._arguments(argv)

@@ -79,6 +79,7 @@ def _l_con(z, z_glob, z_prev, tau):
     return -np.log(pos / (pos + neg))
 
 
+@pytest.mark.reference("algorithm", "moon")
 def test_contrastive_term_matches_the_formula():
     # One example by hand: sim(z, z_glob) = 1, sim(z, z_prev) = 0, tau = 0.5.
     one = contrastive_loss(jnp.asarray([[3.0, 0.0]]), jnp.asarray([[0.5, 0.0]]),
@@ -99,6 +100,7 @@ def test_contrastive_term_matches_the_formula():
     assert np.all(np.isfinite(grad)) and np.all(np.asarray(grad)[[2, 4]] == 0.0)
 
 
+@pytest.mark.reference("algorithm", "moon")
 def test_one_step_is_sgd_on_ce_plus_mu_times_the_term():
     """A step's metric and update against an independent loss built from the sown features
     of the three models (local: trained; global: the broadcast; previous: client state)."""

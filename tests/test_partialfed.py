@@ -46,6 +46,7 @@ def _assert_layers(params, glob, own, from_global):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=n)
 
 
+@pytest.mark.reference("algorithm", "partialfed")
 def test_partial_initialisation_by_hand():
     _, model, variables, tx = pfl_setup()
     own = _own(variables)
@@ -77,6 +78,7 @@ def test_partial_initialisation_by_hand():
     np.testing.assert_array_equal(mixed["batch_stats"]["a_norm"]["mean"], [2])
 
 
+@pytest.mark.reference("algorithm", "partialfed")
 def test_a_strategy_step_follows_the_straight_through_gumbel_formula():
     cd, model, variables, _ = pfl_setup()
     lr, tau = 0.5, 0.7

@@ -33,6 +33,7 @@ def _one_step(hessian_free):
     return np.asarray(local.params["w"]), x[:, :, 0, 0].astype(np.float64), metrics
 
 
+@pytest.mark.reference("algorithm", "perfedavg")
 @pytest.mark.parametrize("hessian_free", [False, True])
 def test_one_step_matches_the_closed_form(hessian_free):
     got, x, metrics = _one_step(hessian_free)

@@ -1,8 +1,12 @@
-"""Partial-sharing personalised FL (Local, FedPer, LG-FedAvg, FedBN) against FedAvg and
+"""Partial-sharing personalised FL (Local, FedPer, LG-FedAvg, FedBN) against FedAvg, a NumPy
+round (its tiny net and NumPy gradient are reused by test_ditto), and
 against what each must keep to itself."""
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import traverse_util
 
@@ -10,6 +14,8 @@ from conftest import PFL_SIZES as SIZES
 from conftest import max_rel_err, pfl_rounds, pfl_setup as _setup
 from fedjax_pan.algorithms import fedavg
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
+from fedjax_pan.engine import ClientData, LocalWork, Simulation, make_executor
+from fedjax_pan.models import layers
 
 
 def _rounds(algo, cd, variables, strategy="vmap", rounds=2):
@@ -88,3 +94,113 @@ def test_fedbn_leaves_each_clients_norm_layers_out_of_the_average():
     mine = sim.personal_evaluation(state)
     assert np.allclose(_flat(mine["params"])[norm_keys[0]][client],
                        state.client_states["params"][norm_keys[0]][client])
+
+
+# A tiny net and its gradient written out in NumPy: the pFL modules' reference rounds.
+class TinyNet(nn.Module):
+    """x (N, D, 1, 1) -> a = tanh(x W + b) ('body') -> h = a * s ('body_norm', sown as
+    'features') -> h V + c ('head')."""
+
+    hidden: int = 5
+    classes: int = 3
+
+    @nn.compact
+    def __call__(self, x, train=False, mask=None):
+        del train, mask
+        a = jnp.tanh(nn.Dense(self.hidden, name="body")(x.reshape(x.shape[0], -1)))
+        h = layers.sow(self, "features", _Scale(name="body_norm")(a))
+        return nn.Dense(self.classes, name="head")(h)
+
+
+class _Scale(nn.Module):
+    @nn.compact
+    def __call__(self, a):
+        return a * self.param("scale", nn.initializers.ones, (a.shape[-1],))
+
+
+def tiny_net_setup(clients=4, size=8, dim=4, seed=0):
+    """(model, variables with random values everywhere, ClientData of `clients` clients of
+    `size` examples (dim features, 3 classes), [(x, y) per client] in NumPy)."""
+    rng = np.random.default_rng(seed)
+    model = TinyNet()
+    x = rng.normal(size=(clients * size, dim, 1, 1)).astype(np.float32)
+    y = rng.integers(0, 3, clients * size).astype(np.int32)
+    params = model.init(jax.random.PRNGKey(0), jnp.asarray(x[:1]))["params"]
+    variables = {"params": jax.tree_util.tree_map(
+        lambda v: jnp.asarray(0.5 * rng.normal(size=v.shape), jnp.float32), params)}
+    variables["params"]["body_norm"]["scale"] += 1.0
+    parts = [np.arange(k * size, (k + 1) * size) for k in range(clients)]
+    cd = ClientData.create(x, y, parts, num_classes=3)
+    data = [(x[p, :, 0, 0].astype(np.float64), y[p]) for p in parts]
+    return model, variables, cd, data
+
+
+def np_flat(params):
+    return {k: np.asarray(v, np.float64) for k, v in
+            traverse_util.flatten_dict(jax.device_get(params), sep="/").items()}
+
+
+def np_forward(p, x):
+    """(a, h, logits) of TinyNet with flat NumPy parameters `p`."""
+    a = np.tanh(x @ p["body/kernel"] + p["body/bias"])
+    h = a * p["body_norm/scale"]
+    return a, h, h @ p["head/kernel"] + p["head/bias"]
+
+
+def np_softmax(z):
+    e = np.exp(z - z.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def np_grads(p, x, y, dlogits=None):
+    """Gradient of the mean softmax cross-entropy (or of a loss whose gradient in the
+    logits is `dlogits`) with respect to every parameter of TinyNet."""
+    a, h, z = np_forward(p, x)
+    dz = (np_softmax(z) - np.eye(z.shape[1])[y]) / len(y) if dlogits is None else dlogits
+    dh = dz @ p["head/kernel"].T
+    dpre = dh * p["body_norm/scale"] * (1 - a ** 2)
+    return {"head/kernel": h.T @ dz, "head/bias": dz.sum(0), "body_norm/scale": (dh * a).sum(0),
+            "body/kernel": x.T @ dpre, "body/bias": dpre.sum(0)}
+
+
+def tiny_sim(algo, cd, variables, steps, participation=0.5, seed=3, **kw):
+    """A Simulation of full-batch rounds of `steps` local steps, uniform weights."""
+    work = LocalWork(batch_size=8, mode="steps", local_steps=steps, **kw)
+    return Simulation(algo, cd, work, make_executor("loop", algo, work, cd, variables, 2),
+                      participation=participation, seed=seed)
+
+
+@pytest.mark.reference("algorithm", "local", "fedper", "lg_fedavg", "fedbn")
+@pytest.mark.parametrize("name", sorted(PERSONAL))
+def test_rounds_match_partial_sharing_written_in_numpy(name):
+    """Each sampled client trains {global shared, own personal} parameters with plain SGD;
+    the server adds the mean change of the shared ones; the personal ones stay with it
+    (the global model's initial values before its first round)."""
+    model, variables, cd, data = tiny_net_setup()
+    steps, lr = 3, 0.1
+    algo = partial_sharing(model, optax.sgd(lr), PERSONAL[name])
+    sim = tiny_sim(algo, cd, variables, steps)
+    state = sim.init(variables)
+    g = np_flat(variables["params"])
+    own_keys = [k for k in g if PERSONAL[name](tuple(k.split("/")))]
+    own = [{k: g[k].copy() for k in own_keys} for _ in data]
+    for r in range(2):
+        ids = np.asarray(sim.sample(r))
+        deltas = []
+        for k in ids:
+            w = {**g, **own[k]}
+            for _ in range(steps):
+                grads = np_grads(w, *data[k])
+                w = {key: w[key] - lr * grads[key] for key in w}
+            own[k] = {key: w[key] for key in own_keys}
+            deltas.append({key: w[key] - g[key] for key in g if key not in own_keys})
+        g = {key: g[key] + (np.mean([d[key] for d in deltas], axis=0) if key not in own_keys
+                            else 0.0) for key in g}
+        state, _ = sim.round(state)
+    got = np_flat(state.server.params)
+    for key in g:
+        np.testing.assert_allclose(got[key], g[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for key in own_keys:
+        np.testing.assert_allclose(state.client_states["params"][key],
+                                   np.stack([o[key] for o in own]), rtol=1e-5, atol=1e-6,
+                                   err_msg=key)

@@ -22,6 +22,7 @@ from test_experiment import config, metrics  # noqa: E402
 tree_map = jax.tree_util.tree_map
 
 
+@pytest.mark.reference("algorithm", "pfedeff")
 def test_prune_and_personalised_aggregate_by_hand():
     w = {"a": jnp.asarray([0.5, -2.0, 0.1, 3.0]), "b": jnp.asarray([1.0, -1.0, 0.2])}
     p = prune(w, 0.5)  # ceil(0.5 d): 2 of 4, 2 of 3

@@ -4,6 +4,7 @@ reaches the global model), beta scaling the server step, the personal model eval
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from conftest import PFL_LR, max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan.algorithms.core import ClientContext
@@ -13,6 +14,7 @@ from quadratic import quadratic_clients, squared_loss
 LAM, PLR, LR, K = 2.0, 0.05, 0.1, 3
 
 
+@pytest.mark.reference("algorithm", "pfedme")
 def test_local_steps_match_the_closed_form():
     q = quadratic_clients(dim=3, size=8)
     algo = pfedme(q.model, LR, lam=LAM, inner_steps=K, personal_lr=PLR, mu=0.01,

@@ -16,6 +16,7 @@ def _reference(z, rounds, delta, event, relation):
     return accountant.get_epsilon(delta)
 
 
+@pytest.mark.reference("privacy", "accountant")
 def test_poisson_epsilon_equals_the_rdp_accountant():
     want = _reference(1.1, 50, 1e-5,
                       dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(1.1)),
@@ -24,10 +25,28 @@ def test_poisson_epsilon_equals_the_rdp_accountant():
     assert privacy.epsilon(1.1, 50, 1e-5, "poisson", 100, 10, rate=0.1) == pytest.approx(want)
 
 
-def test_uniform_epsilon_equals_sampling_without_replacement():
-    want = _reference(1.1, 50, 1e-5, dp_event.SampledWithoutReplacementDpEvent(
-        100, 10, dp_event.GaussianDpEvent(1.1)), NeighboringRelation.REPLACE_ONE)
-    assert privacy.epsilon(1.1, 50, 1e-5, "uniform", 100, 10) == pytest.approx(want, rel=1e-12)
+@pytest.mark.reference("privacy", "accountant")
+def test_uniform_epsilon_accounts_for_replacing_one_client():
+    # dp-accounting's multiplier is std / sensitivity. Uniform cohorts are accounted under
+    # REPLACE_ONE, where swapping one client's update (norm <= C) for another's moves the
+    # clipped sum by up to 2 C, while the noise's std is z C.
+    clip, z = 0.7, 1.1
+    want = _reference(z, 50, 1e-5, dp_event.SampledWithoutReplacementDpEvent(
+        100, 10, dp_event.GaussianDpEvent(z * clip / (2 * clip))),
+        NeighboringRelation.REPLACE_ONE)
+    assert privacy.epsilon(z, 50, 1e-5, "uniform", 100, 10) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.reference("privacy", "accountant")
+def test_the_reported_example_k100_m10_t200():
+    # K = 100, M = 10, T = 200, delta = 1e-5, z = 1: 158 uniform (20.7 was logged when the
+    # multiplier was taken as z under REPLACE_ONE), 11.1 Poisson.
+    uniform = privacy.epsilon(1.0, 200, 1e-5, "uniform", 100, 10)
+    assert uniform == pytest.approx(157.7, abs=0.1)
+    assert privacy.epsilon(1.0, 200, 1e-5, "poisson", 100, 10) == pytest.approx(11.06, abs=0.01)
+    under_reported = _reference(1.0, 200, 1e-5, dp_event.SampledWithoutReplacementDpEvent(
+        100, 10, dp_event.GaussianDpEvent(1.0)), NeighboringRelation.REPLACE_ONE)
+    assert under_reported == pytest.approx(20.7, abs=0.1) and uniform > 7 * under_reported
 
 
 def test_epsilon_grows_with_rounds_and_falls_with_noise():

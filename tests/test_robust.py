@@ -20,6 +20,7 @@ def _tree(values):
     return {"a": v[:, None], "b": {"c": jnp.zeros((len(values), 2, 2))}}
 
 
+@pytest.mark.reference("aggregation", "multi_krum")
 def test_krum_scores_and_choice_by_hand():
     # f = 1: each client sums its 5 - 1 - 2 = 2 nearest squared distances.
     # 0: 1 + 4; 1: 1 + 1; 2: 1 + 4; 10: 1 + 64; 11: 1 + 81.
@@ -71,6 +72,7 @@ def _weiszfeld_numpy(points, alphas, maxiter=4, eps=1e-5, ftol=1e-6):
     return median
 
 
+@pytest.mark.reference("aggregation", "geometric_median")
 @pytest.mark.parametrize("maxiter,ftol", [(4, 1e-6), (50, 0.0), (50, 1e-3)])
 def test_geometric_median_against_rfas_loop(maxiter, ftol):
     rng = np.random.default_rng(1)
@@ -159,6 +161,7 @@ def test_public_scorer_by_hand():
     np.testing.assert_allclose(float(got["entropy"]), want_entropy, rtol=1e-5)
 
 
+@pytest.mark.reference("aggregation", "zeno")
 def test_zeno_keeps_the_models_that_descend_most_by_hand():
     from fedjax_pan.engine.protocol import Arrivals
     # A scorer whose loss is |w - 3| on a one-parameter model; the current model is 0.

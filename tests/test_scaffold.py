@@ -138,3 +138,47 @@ def test_options_and_config():
     cfg.server.lr = 0.5
     with pytest.raises(ValueError, match="server_lr"):
         from_config(model, cfg, tx, None)
+
+
+def _quadratic_grads(q):
+    """Client k's full-batch gradient of f_k(w) = 1/(2 n_k) |A_k w - b_k|^2, in NumPy."""
+    x = np.asarray(q.data.images, np.float64)[:, :, 0, 0]
+    parts = [np.asarray(q.data.index_table[k])[:int(q.data.sizes[k])]
+             for k in range(q.data.num_clients)]
+    dim = q.optimum.shape[0]
+    return [lambda w, a=x[p, :dim], b=x[p, dim]: a.T @ (a @ w - b) / len(b) for p in parts]
+
+
+@pytest.mark.reference("algorithm", "scaffold")
+def test_rounds_match_algorithm_one_option_two_written_in_numpy():
+    """Alg. 1 (option II) of Karimireddy et al. in NumPy: y <- y - lr (g_k(y) + c - c_k),
+    c_k+ = c_k - c + (x - y) / (steps lr), x += lr_g mean dy, c += |S|/K mean dc."""
+    q = quadratic_clients()
+    steps, lr, lr_g = 5, 0.05, 0.8
+    work = LocalWork(batch_size=8, mode="steps", local_steps=steps)
+    algo = scaffold(q.model, client_optimizer(lr, momentum=0.0), lr, server_lr=lr_g,
+                    loss=squared_loss)
+    ex = make_executor("loop", algo, work, q.data, q.variables, 2)
+    sim = Simulation(algo, q.data, work, ex, participation=0.5, seed=3)
+    state = sim.init(q.variables)
+    grads, num = _quadratic_grads(q), q.data.num_clients
+    x, c = np.zeros(q.optimum.shape), np.zeros(q.optimum.shape)
+    c_k = [np.zeros_like(x) for _ in range(num)]
+    for r in range(3):
+        ids = np.asarray(sim.sample(r))
+        dys, dcs = [], []
+        for k in ids:
+            y = x.copy()
+            for _ in range(steps):
+                y = y - lr * (grads[k](y) + c - c_k[k])
+            new = c_k[k] - c + (x - y) / (steps * lr)
+            dys.append(y - x)
+            dcs.append(new - c_k[k])
+            c_k[k] = new
+        x = x + lr_g * np.mean(dys, axis=0)
+        c = c + len(ids) / num * np.mean(dcs, axis=0)
+        state, _ = sim.round(state)
+    np.testing.assert_allclose(state.server.base.params["w"], x, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.server.c["w"], c, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(state.client_states.c["w"], np.stack(c_k), rtol=1e-5,
+                               atol=1e-6)

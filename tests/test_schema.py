@@ -52,6 +52,8 @@ def invalid_values(kind):
         return [-1.0, float("nan"), float("inf")]
     if kind is str:
         return ["no-such-value"]
+    if kind is tuple:
+        return ["(-1,)"]
     raise AssertionError(f"no invalid value for {kind}")
 
 

@@ -1,6 +1,7 @@
 """Siren: the server's decision from alarms, accuracies and cosines in each of its cases,
-the clients' alarm rule, an alarming client starting from its own model, penalty and
-reward, and a config run that resumes exactly."""
+the clients' alarm rule (attackers alarming every round, as the authors', or never), an
+alarming client starting from its own model, penalty and reward, and a config run that
+resumes exactly."""
 
 import os
 import shutil
@@ -33,6 +34,7 @@ def test_no_alarm_uses_everyone():
     np.testing.assert_array_equal(_detect([0] * 5, [0.1, 0.9, 0.5, 0.2, 0.3]), [1] * 5)
 
 
+@pytest.mark.reference("algorithm", "siren")
 def test_agreeing_alarms_with_worse_silent_clients_use_the_alarms():
     # Alarms 0, 1 (best 0.8; 0.75 >= 0.72 passes); the silent best 0.6 < 0.72.
     use = _detect([1, 1, 0, 0, 0], [0.8, 0.75, 0.6, 0.5, 0.1])
@@ -47,6 +49,7 @@ def test_abnormal_alarms_are_rejected_with_the_silent_clients():
     np.testing.assert_array_equal(use, [1, 0, 0, 0, 0])
 
 
+@pytest.mark.reference("algorithm", "siren")
 def test_false_alarms_use_the_silent_clients_that_pass():
     cos = ALIGNED.copy()
     cos[3, 4] = cos[4, 3] = 0.0  # silent 4 is orthogonal to the silent best (3)
@@ -69,6 +72,7 @@ def test_one_alarm_checks_everyone_against_the_best():
         [1] * 5)
 
 
+@pytest.mark.reference("algorithm", "siren")
 def test_penalty_and_reward_by_hand():
     penalty = np.array([0.0, 1.0, 2.0, 0.5, 3.0, 7.0])
     ids = np.array([0, 1, 2, 3, 4])
@@ -93,6 +97,7 @@ def test_an_alarming_client_starts_from_its_own_model():
         jax.tree_util.tree_map(np.testing.assert_array_equal, local.params, want["params"])
 
 
+@pytest.mark.reference("algorithm", "siren")
 def test_the_alarm_rule_by_hand(monkeypatch):
     exp = assembly.build(config(rounds=2, algorithm="siren", partition__test_fraction=0.2,
                                 attack__kind="sign_flip", attack__fraction=0.2))
@@ -113,8 +118,56 @@ def test_the_alarm_rule_by_hand(monkeypatch):
     alarm = sim.alarms(state, ids)
     want = np.ones(len(ids), bool)
     want[1] = want[2] = False
-    want &= ~sim.malicious[ids]  # attackers never alarm
-    np.testing.assert_array_equal(alarm, want)
+    # Attackers alarm every round (the authors' `mal_agent_other`: alarm=1), whatever
+    # their accuracies.
+    np.testing.assert_array_equal(alarm, want | sim.malicious[ids])
+    sim.o["malicious_alarm"] = "never"
+    np.testing.assert_array_equal(sim.alarms(state, ids), want & ~sim.malicious[ids])
+
+
+@pytest.mark.reference("algorithm", "siren")
+def test_alarming_attackers_wake_the_server_check(monkeypatch):
+    """No honest client alarms; the authors' attackers do (one alarm: everyone is checked
+    against the best), so the server rejects the attacker; silent attackers would leave
+    every update in use."""
+    exp = assembly.build(config(rounds=2, algorithm="siren", partition__test_fraction=0.2,
+                                attack__kind="sign_flip", attack__fraction=0.2,
+                                siren__malicious_alarm="always"))
+    sim = exp.simulation
+    state = sim.init(exp.variables)._replace(round=1)
+    ids = sim.services.sample(1)
+    k = exp.config.partition.num_clients
+    sim.malicious = np.zeros(k, bool)
+    sim.malicious[ids[0]] = True  # one attacker in the cohort, by hand
+    bad = sim.malicious[ids]
+    counts, correct = np.full(k, 10.0), np.full(k, 7.0)  # own model never beats the global
+
+    def evaluate(variables, personal=False, vmapped=False, clients=None, net=None):
+        return {"correct": correct, "count": counts}
+    monkeypatch.setattr(sim, "client_evaluate", evaluate)
+    accuracy = np.where(bad, 0.1, 0.8)  # the attacker's model scores badly at the server
+    cosine = np.ones((len(ids), len(ids)))
+    barred = np.zeros(len(ids), bool)
+    alarm = sim.alarms(state, ids)
+    np.testing.assert_array_equal(alarm, bad)
+    np.testing.assert_array_equal(siren.detect(alarm, accuracy, cosine, barred, 0.1), ~bad)
+    sim.o["malicious_alarm"] = "never"
+    alarm = sim.alarms(state, ids)
+    assert not alarm.any()
+    assert siren.detect(alarm, accuracy, cosine, barred, 0.1).all()
+
+
+def test_an_alarming_attacker_still_trains_from_the_global_model():
+    exp = assembly.build(config(rounds=2, algorithm="siren", partition__test_fraction=0.2,
+                                attack__kind="sign_flip", attack__fraction=0.2,
+                                attack__start_round=1))
+    sim = exp.simulation
+    ids = np.arange(exp.config.partition.num_clients)
+    np.testing.assert_array_equal(sim.attacking(0, ids), np.zeros(len(ids), bool))
+    np.testing.assert_array_equal(sim.attacking(1, ids), sim.malicious)
+    with pytest.raises(ConfigError, match="malicious_alarm"):
+        assembly.validate(config(algorithm="siren", partition__test_fraction=0.2,
+                                 siren__malicious_alarm="sometimes"))
 
 
 # Slow (8 s): the default run checks Siren's rules by hand and drivers' resume through

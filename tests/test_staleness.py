@@ -1,5 +1,6 @@
-"""FedAsync's mixing and SageFlow's entropy filter, loss weights and staleness grouping,
-each on a small set worked out by hand; both from a config under stragglers."""
+"""FedAsync's mixing and SageFlow's entropy filter, loss weights, staleness grouping and the
+authors' dropping of groups of negligible weight, each on a small set worked out by hand
+(and the authors' lr halving); both from a config under stragglers."""
 
 import os
 import sys
@@ -39,6 +40,7 @@ def test_staleness_functions():
         staleness.fedasync(kind="linear")
 
 
+@pytest.mark.reference("aggregation", "fedasync")
 def test_fedasync_mixes_each_staleness_group_stalest_first_by_hand():
     # Slots: two fresh models (2, 4; weights 1, 3), one of staleness 1 (8), an empty slot.
     models = _models([2.0, 4.0, 8.0, 100.0])
@@ -51,6 +53,7 @@ def test_fedasync_mixes_each_staleness_group_stalest_first_by_hand():
     assert rule.space == "model" and rule.stacked
 
 
+@pytest.mark.reference("aggregation", "sageflow")
 def test_sageflow_filters_weighs_and_groups_by_hand():
     models = _models([1.0, 3.0, 50.0, 6.0, 7.0])
     weights = jnp.full(5, 0.2)
@@ -76,6 +79,40 @@ def test_sageflow_filters_weighs_and_groups_by_hand():
     # Everyone dropped: the model stays.
     none = rule.finalize(models, weights, _arrivals([0] * 5, loss, [5.0] * 5))
     np.testing.assert_allclose(none["params"]["w"], [10.0])
+
+
+@pytest.mark.reference("aggregation", "sageflow")
+def test_sageflow_drops_a_group_whose_raw_loss_weights_sum_to_at_most_0_001():
+    """The authors' `Eflow` returns None when sum_k 1 / loss_k^delta <= 0.001: with delta 5
+    a stale group of public loss 4 (1 / 4^5 < 0.001) is dropped, the fresh one kept."""
+    models = _models([1.0, 3.0, 6.0])
+    weights = jnp.full(3, 1 / 3)
+    loss, entropy = [1.0, 1.0, 4.0], [0.1] * 3
+    rule = staleness.sageflow(e_th=1.0, delta=5.0, lam=0.5, gamma_period=0, score=None)
+    got = rule.finalize(models, weights, _arrivals([0, 0, 1], loss, entropy))
+    np.testing.assert_allclose(got["params"]["w"], [2.0], rtol=1e-6)  # the fresh mean
+    # min_weight 0 keeps it: alpha 2 (fresh) and 1 * 2^-0.5 (stale), each group's mean.
+    keep = staleness.sageflow(1.0, 5.0, 0.5, 0, None, min_weight=0.0).finalize(
+        models, weights, _arrivals([0, 0, 1], loss, entropy))
+    a1 = 2 ** -0.5
+    np.testing.assert_allclose(keep["params"]["w"], [(2 * 2.0 + a1 * 6.0) / (2 + a1)],
+                               rtol=1e-6)
+    # Every group below the bar: the model stays (the authors' code would divide by 0).
+    high = rule.finalize(models, weights, _arrivals([0, 0, 1], [5.0] * 3, entropy))
+    np.testing.assert_allclose(high["params"]["w"], [10.0])
+
+
+def test_the_authors_lr_halving():
+    """`optimizer.warmup = 'halving'` halves the client rate every warmup_length rounds (the
+    SageFlow authors' `lr * 0.5 ** (round // lrdecay)`, `update.py`)."""
+    import jax
+    from fedjax_pan.algorithms import local
+    tx = local.client_optimizer(0.01, 0.0, 0.0, None, "halving", 7)
+    params = {"w": jnp.zeros(())}
+    for r, want in ((0, 0.01), (6, 0.01), (7, 0.005), (20, 0.0025)):
+        state = local.start_round(tx.init(params), jnp.int32(r))
+        step, _ = tx.update({"w": jnp.ones(())}, state, params)
+        np.testing.assert_allclose(jax.device_get(step["w"]), -want, rtol=1e-6)
 
 
 # SageFlow by default; FedAsync and Zeno are checked by hand (here, test_robust.py), their

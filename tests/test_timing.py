@@ -1,6 +1,7 @@
-"""Stragglers: the delay model, the round plans by hand, the in-flight buffer against a
-plain-Python event simulation, delay 0 (and waiting for everyone) bit for bit the
-synchronous engine, and resume with outputs in flight."""
+"""Stragglers: the delay model (and the authors' forced delays), the round plans by hand,
+the in-flight buffer against a plain-Python event simulation, delay 0 (and waiting for
+everyone, or every free client forced to 0) bit for bit the synchronous engine, and
+resume with outputs in flight."""
 
 import os
 import sys
@@ -35,6 +36,37 @@ def test_delays_are_seeded_uniform_or_a_fixed_slow_share():
     np.testing.assert_array_equal(slow_model.draw(7, 0, ids, slow), np.where(slow[ids], 3, 0))
     with pytest.raises(ValueError, match="unknown straggler policy"):
         timing.Stragglers(2, policy="hurry")
+
+
+def test_forced_delays_go_to_the_first_free_clients_in_a_seeded_order():
+    """The SageFlow authors' `Sageflow.py` gives the first three free clients of a round
+    delays 0, 1, 2 (every staleness group gets one); the others keep their draw."""
+    model = timing.Stragglers(2, forced=(0, 1, 2))
+    plain = timing.Stragglers(2)
+    ids, no_slow = np.arange(10, 30), np.zeros(100, bool)
+    free = np.ones(len(ids), bool)
+    free[[0, 3, 4, 9]] = False  # busy: never forced
+    for r in range(6):
+        d, base = model.draw(1, r, ids, no_slow, free), plain.draw(1, r, ids, no_slow)
+        # The first three of a seeded permutation of the free positions take 0, 1, 2;
+        # everyone else (the busy included) keeps the uniform draw.
+        order = np.random.default_rng([1, r, timing._FORCED_STREAM]).permutation(
+            np.flatnonzero(free))[:3]
+        np.testing.assert_array_equal(d[order], [0, 1, 2])
+        rest = np.ones(len(ids), bool)
+        rest[order] = False
+        np.testing.assert_array_equal(d[rest], base[rest])
+        np.testing.assert_array_equal(d, model.draw(1, r, ids, no_slow, free))  # seeded
+    # Fewer free clients than forced delays: those take the first ones.
+    one = np.zeros(len(ids), bool)
+    one[5] = True
+    assert model.draw(1, 0, ids, no_slow, one)[5] == 0
+    with pytest.raises(ValueError, match="straggler.forced"):
+        timing.Stragglers(1, forced=(0, 1, 2))
+    from fedjax_pan import assembly
+    from fedjax_pan.errors import ConfigError
+    with pytest.raises(ConfigError, match="straggler.forced"):
+        assembly.validate(config(straggler__max_delay=1, straggler__forced=(0, 1, 2)))
 
 
 def test_round_plans_by_hand():
@@ -147,14 +179,17 @@ def test_every_delay_zero_is_the_synchronous_engine_bit_for_bit(tmp_path):
     for name, changes in (("slow0", dict(straggler__max_delay=2, straggler__delays="slow",
                                           straggler__slow_share=0.0)),
                           ("wait_all", dict(straggler__max_delay=2,
-                                            straggler__policy="wait_all"))):
+                                            straggler__policy="wait_all")),
+                          # every free client forced to delay 0 (`straggler.forced`)
+                          ("forced0", dict(straggler__max_delay=2,
+                                           straggler__forced=(0,) * 100))):
         run = str(tmp_path / name)
         experiment.train(config(rounds=3, **changes), run, progress=False)
         got = metrics(run)
         for a, b in zip(metrics(plain), got):
             assert {k: v for k, v in b.items() if not k.startswith("sim_")} == a
         times = [r["sim_time"] for r in got]
-        if name == "slow0":
+        if name in ("slow0", "forced0"):
             assert times == [1.0, 2.0, 3.0]
         else:
             assert times[-1] > 3.0 and all(r["sim_busy"] == 0 for r in got)

@@ -24,12 +24,27 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference
 from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
 OPTIONS = {"alpha": 0.5, "adaptive": True, "alpha_lr": 0.05}
 RULES = {"alpha": between(0, 1), "adaptive": Rule(boolean), "alpha_lr": between(0, 100)}
 ALPHA_DECAY = 0.02  # the released code's regulariser on alpha
+
+REFERENCE = Reference(
+    "Deng, Kamani, Mahdavi, 'Adaptive Personalized Federated Learning', arXiv 2020 (APFL, "
+    "Alg. 1: v and alpha updated with the gradient at the mixed model m = alpha v + "
+    "(1 - alpha) w)", None,
+    ("alpha's gradient carries the + 0.02 alpha regulariser of the authors' released code "
+     "(FedTorch, as the module docstring says; not pinned here), which the paper does not "
+     "have",
+     "the personal step is plain SGD with the configured rate (no warm-up); the global copy "
+     "uses the configured client optimiser",
+     "not PFLlib's clientapfl.py, which trains v on its own loss, takes alpha's gradient "
+     "from the two models' separate gradients and overwrites v with the mixture after the "
+     "round: the paper's gradient at the mixed model is used here",
+     "the mixed model uses the global model's normalisation statistics"))
 
 
 class ApflLocal(NamedTuple):
@@ -95,4 +110,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                 adaptive=cfg.apfl.adaptive, alpha_lr=cfg.apfl.alpha_lr)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

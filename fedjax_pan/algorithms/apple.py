@@ -72,12 +72,30 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         tree_bytes)
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"dr_lr": 1.0, "mu": 0.0, "l_share": 1.0}
 RULES = {"dr_lr": between(0, 1e4), "mu": between(0, 1e4), "l_share": between(0, 1)}
+
+REFERENCE = Reference(
+    "Luo & Wu, 'Adapt to Adaptation: Learning Personalization for Cross-Silo Federated "
+    "Learning', IJCAI 2022 (APPLE, Alg. 1: core models and DR vectors, the proximal term "
+    "lam mu / 2 ||p_i - p0||^2 with its cosine schedule)",
+    pfllib("servers/serverapple.py", "clients/clientapple.py"),
+    ("only the sampled clients train each round (PFLlib trains all K); each downloads all K "
+     "cores as they stood at the round's start (PFLlib's sequential clients see earlier "
+     "clients' in-place updates)",
+     "the trained core is uploaded, as the paper; PFLlib's client replaces its core with "
+     "its last personalised mix",
+     "lam(r) is the paper's at the round being trained; PFLlib's round r uses lam(r - 1)",
+     "p0 is the data shares of the client sizes known so far (unknown ones: their mean); "
+     "PFLlib computes the shares at the start",
+     "dr_lr defaults to 1.0; PFLlib's dr_learning_rate 0 freezes every p_i at 1/K",
+     "a client's personal model is its DR mix of the server's current cores; PFLlib "
+     "evaluates the mix of its last local step"))
 
 
 class AppleServer(NamedTuple):
@@ -224,7 +242,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                  dr_lr=o.dr_lr, mu=o.mu, schedule_rounds=int(o.l_share * cfg.rounds))
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)
 
 __all__ = ["apple", "mix", "dr_gradient", "regularizer_weight", "data_shares", "AppleServer",
            "AppleLocal", "OPTIONS", "RULES", "ENTRY"]

@@ -1,8 +1,13 @@
 """Malicious clients, as a wrapper over any algorithm (optax style), following the SageFlow
 authors' code (`update.py`, `utils1.sign_attack`, the backdoor variant's `utils2`).
 
-A fixed set of clients (`malicious`, drawn once per seed by `draw_malicious`) attacks from
-round `start_round` on; the others run the algorithm untouched. Kinds:
+Who attacks (`config.attack.draw`): 'fixed', a set of round(fraction K) clients drawn once
+per seed (`draw_malicious`), or 'per_round', as the SageFlow authors' scripts
+(`Sageflow_synchronous_setup.py`, `Sageflow.py`: `attack_users = np.random.choice(
+idxs_users, int(m * attack_ratio))`): exactly int(M fraction) of each round's sampled
+cohort of M, drawn afresh from (seed, round) (`draw_round`), so a rule told f attackers a
+round (Multi-Krum, Zeno) meets exactly f. Attackers act from round `start_round` on; the
+others run the algorithm untouched. Kinds:
 
   model_poisoning  sends -scale * w, its weights negated and scaled (authors: 0.1), in
                    place of its trained model;
@@ -23,26 +28,65 @@ BatchNorm statistics are sent as trained.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Dict, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.references import SAGEFLOW, SIREN, Reference
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 ATTACKS = ("none", "model_poisoning", "sign_flip", "gaussian", "label_shift", "label_flip",
            "backdoor")
+DRAWS = ("fixed", "per_round")
 DATA_ATTACKS = ("label_shift", "label_flip", "backdoor")
 MODEL_ATTACKS = ("model_poisoning", "sign_flip", "gaussian", "backdoor")
+# Each kind's reference (`fedjax_pan.fidelity`).
+_SAGEFLOW_PAPER = ("Park et al., 'Sageflow: Robust Federated Learning against Both "
+                   "Stragglers and Adversaries', NeurIPS 2021")
+_SIREN_PAPER = ("Guo et al., 'Siren: Byzantine-robust Federated Learning via Proactive "
+                "Alarming', SoCC 2021")
+_FIXED = ("the attackers are a fixed set drawn once per seed by default (a compromised "
+          "device stays compromised); `attack.draw='per_round'` draws int(M fraction) of "
+          "each cohort as the SageFlow authors' scripts")
+REFERENCES: Dict[str, Reference] = {
+    "model_poisoning": Reference(
+        _SAGEFLOW_PAPER + " (model poisoning: -0.1 w)",
+        SAGEFLOW + ": Sageflow_code/utils1.py (sign_attack)",
+        ("applied to trainable parameters only; BatchNorm statistics are sent as trained",
+         _FIXED)),
+    "sign_flip": Reference(_SIREN_PAPER + " (sign flipping: -4 x the update)",
+                           SIREN + ": malicious_agent.py (mal_agent_other)", (_FIXED,)),
+    "gaussian": Reference(
+        "Gaussian attack: N(0, sigma^2) added to every weight (Blanchard et al., NeurIPS "
+        "2017, Sect. 5's Gaussian Byzantine workers)", None,
+        ("noise is added to the trained model (Blanchard et al.'s workers send noise in "
+         "place of a gradient): the scale is `attack.scale`, 1 by default",
+         _FIXED)),
+    "label_shift": Reference(_SAGEFLOW_PAPER + " (data poisoning: y -> (y + 1) mod C)",
+                             SAGEFLOW + ": Sageflow_code/update.py", (_FIXED,)),
+    "label_flip": Reference(_SIREN_PAPER + " (label flipping: y -> C - 1 - y)",
+                            SIREN + ": malicious_agent.py (mal_agent_other)", (_FIXED,)),
+    "backdoor": Reference(
+        _SAGEFLOW_PAPER + " (backdoor: a 12-pixel pattern, target 2, 20 of each 64 "
+        "images, the update boosted x10)", SAGEFLOW + ": backdoor_FL/utils2.py, update.py",
+        ("attackers train as many local epochs as honest clients (the authors': 10 against "
+         "1): the attack has no epoch count of its own",
+         "the poisoned share is per batch, the first floor(n 20/64) rows of a batch of n "
+         "(the authors' 20 of each 64 at B = 64)",
+         "by default it starts at a third of the rounds (`attack.start_round`; the "
+         "`authors` preset uses round 10, theirs)",
+         _FIXED)),
+}
 # Each kind's `scale` when the config leaves it unset.
 DEFAULT_SCALE = {"model_poisoning": 0.1, "sign_flip": 4.0, "gaussian": 1.0, "backdoor": 10.0}
 # The authors' MNIST pattern, (row, column) in the top-left corner.
 PATTERN = ((0, 0), (1, 0), (2, 0), (0, 1), (1, 2), (2, 3), (0, 5), (1, 4), (4, 0), (4, 1),
            (4, 2), (4, 3))
-_MALICIOUS_STREAM, _NOISE_STREAM = 0xA7, 0xA9
+_MALICIOUS_STREAM, _NOISE_STREAM, _ROUND_STREAM = 0xA7, 0xA9, 0xAB
 
 
 class Attack(NamedTuple):
@@ -67,6 +111,59 @@ def draw_malicious(fraction: float, num_clients: int, seed: int) -> np.ndarray:
     out = np.zeros(num_clients, bool)
     out[rng.choice(num_clients, count, replace=False)] = True
     return out
+
+
+def draw_round(fraction: float, ids: np.ndarray, seed: int, round_index: int) -> np.ndarray:
+    """(M,) bool over round `round_index`'s cohort `ids`: exactly int(M * fraction) of them
+    (the authors' `int(m * attack_ratio)`), drawn from (seed, round) alone."""
+    m = len(ids)
+    rng = np.random.default_rng([seed, round_index, _ROUND_STREAM])
+    out = np.zeros(m, bool)
+    out[rng.choice(m, int(m * fraction), replace=False)] = True
+    return out
+
+
+def round_table(fraction: float, cohorts: Sequence[np.ndarray], seed: int,
+                num_clients: int) -> np.ndarray:
+    """(R, K) bool: row r marks round r's attackers among `cohorts[r]` (`draw_round`)."""
+    table = np.zeros((len(cohorts), num_clients), bool)
+    for r, ids in enumerate(cohorts):
+        ids = np.asarray(ids, np.int64)
+        table[r, ids[draw_round(fraction, ids, seed, r)]] = True
+    return table
+
+
+def malicious_from_config(cfg: Any, num_clients: int) -> np.ndarray:
+    """`config.attack`'s attackers: (K,) bool for draw 'fixed', (rounds, K) for
+    'per_round' (each round's cohort as the engine samples it), all False for kind none."""
+    a = cfg.attack
+    if a.kind == "none":
+        return np.zeros(num_clients, bool)
+    if a.get("draw", "fixed") == "fixed":
+        return draw_malicious(a.fraction, num_clients, cfg.seed)
+    if a.draw != "per_round":
+        raise ValueError(f"unknown attack.draw {a.draw!r}; expected one of {DRAWS}")
+    # The engine's own samplers (pure functions of seed and round), imported here: the
+    # attack draws among the cohort each round's sampler gives.
+    from fedjax_pan.algorithms.registry import cohort_sampling
+    from fedjax_pan.engine.simulation import (clients_per_round, poisson_clients,
+                                              sample_clients)
+    if cohort_sampling(cfg) == "poisson":
+        cohorts = [poisson_clients(cfg.seed, num_clients, cfg.participation, r)
+                   for r in range(cfg.rounds)]
+    else:
+        m = clients_per_round(cfg.participation, num_clients)
+        cohorts = [sample_clients(cfg.seed, num_clients, m, r) for r in range(cfg.rounds)]
+    return round_table(a.fraction, cohorts, cfg.seed, num_clients)
+
+
+def attacking(malicious: np.ndarray, round_index: int, ids: np.ndarray) -> np.ndarray:
+    """(M,) bool: which of the clients `ids` are attackers in round `round_index`, from a
+    (K,) or (R, K) table (`malicious_from_config`)."""
+    malicious = np.asarray(malicious, bool)
+    if malicious.ndim == 1:
+        return malicious[ids]
+    return malicious[min(round_index, len(malicious) - 1), ids]
 
 
 def add_pattern(images: jax.Array) -> jax.Array:
@@ -110,8 +207,10 @@ def attack_params(attack: Attack, trained: PyTree, broadcast: PyTree, key: jax.A
 
 def with_attack(algorithm: FederatedAlgorithm, attack: Attack, malicious: np.ndarray
                 ) -> FederatedAlgorithm:
-    """`algorithm` whose clients flagged in `malicious` (K,) attack as `attack` says from
-    round `attack.start_round` on."""
+    """`algorithm` whose clients flagged in `malicious` attack as `attack` says from round
+    `attack.start_round` on: (K,) the same clients every round, or (R, K) round r's in row
+    r (rounds past R read the last row). Looked up by each client's id and round, so every
+    execution strategy gives the same attackers."""
     if attack.kind not in ATTACKS:
         raise ValueError(f"unknown attack {attack.kind!r}; expected one of {ATTACKS}")
     if attack.kind in MODEL_ATTACKS and algorithm.model_view is None:
@@ -121,7 +220,11 @@ def with_attack(algorithm: FederatedAlgorithm, attack: Attack, malicious: np.nda
 
     def client_init(server, client_state, ctx):
         inner = algorithm.client_init(server, client_state, ctx)
-        on = table[ctx.client_id] & (ctx.round >= attack.start_round)
+        if table.ndim == 1:
+            bad = table[ctx.client_id]
+        else:
+            bad = table[jnp.minimum(ctx.round, table.shape[0] - 1), ctx.client_id]
+        on = bad & (ctx.round >= attack.start_round)
         return AttackedLocal(inner, on, jax.random.fold_in(ctx.rng, _NOISE_STREAM))
 
     def client_step(local, batch, server):
@@ -147,5 +250,6 @@ def with_attack(algorithm: FederatedAlgorithm, attack: Attack, malicious: np.nda
                               client_output=client_output)
 
 
-__all__ = ["Attack", "ATTACKS", "DATA_ATTACKS", "MODEL_ATTACKS", "DEFAULT_SCALE", "PATTERN",
-           "draw_malicious", "add_pattern", "poison_batch", "attack_params", "with_attack"]
+__all__ = ["Attack", "ATTACKS", "DRAWS", "DATA_ATTACKS", "MODEL_ATTACKS", "DEFAULT_SCALE",
+           "PATTERN", "draw_malicious", "draw_round", "round_table", "malicious_from_config",
+           "attacking", "add_pattern", "poison_batch", "attack_params", "with_attack"]

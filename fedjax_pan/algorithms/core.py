@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 from fedjax_pan.engine.protocol import (Aggregator, ClientContext, FederatedAlgorithm,
                                         PyTree, RoundInfo, median, tree_bytes, tree_map,
                                         trimmed_mean, weighted_mean, weighted_sum)
+from fedjax_pan.references import Reference
 
 __all__ = ["Aggregator", "ClientContext", "FederatedAlgorithm", "RoundInfo", "median",
            "tree_bytes", "tree_map", "trimmed_mean", "weighted_mean", "weighted_sum",
@@ -55,6 +56,9 @@ class AlgorithmEntry(NamedTuple):
     # True: `build` also takes `input_shape=` (H, W, C) of one example (an algorithm that
     # builds a network of its own beside the client's, e.g. a shared model).
     input_shape: bool = False
+    # The paper and code it follows and its departures (`fedjax_pan.references`); the
+    # fidelity test refuses an entry without one.
+    reference: Optional[Reference] = None
 
 
 def no_client_state(server_state: PyTree) -> None:

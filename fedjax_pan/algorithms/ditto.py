@@ -25,12 +25,25 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, own_model
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
 OPTIONS = {"lam": 0.1}
 # lr * lam * w is formed in float32: 1e4 (x lr <= 100) stays far from its 3.4e38 overflow.
 RULES = {"lam": between(0, 1e4)}
+
+REFERENCE = Reference(
+    "Li et al., 'Ditto: Fair and Robust Federated Learning Through Personalization', ICML "
+    "2021 (Alg. 1: personal v on f_k(v) + lambda/2 ||v - w^t||^2, w by FedAvg)",
+    pfllib("servers/serverditto.py", "clients/clientditto.py"),
+    ("the quadratic term is taken by its exact proximal step after the optimiser's step on "
+     "f_k; PFLlib's PerturbedGradientDescent takes an explicit gradient step on it (equal "
+     "to first order in lr * lambda)",
+     "the personal model trains on the same batches and number of steps as the global copy "
+     "in the round's local work; PFLlib's ptrain runs plocal_epochs of its own first",
+     "aggregation weights are uniform by default; PFLlib weights by training samples "
+     "(aggregation.weights='num_examples')"))
 
 
 class DittoLocal(NamedTuple):
@@ -83,4 +96,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return ditto(model, client_tx, cfg.optimizer.lr, server_tx, lam=cfg.ditto.lam)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

@@ -11,11 +11,18 @@ and hands Delta to the algorithm's server update as the mean output (FedAvg: w +
 Weights must be uniform (each client counts 1: the sensitivity is C).
 
 Adaptive clipping (`adaptive`): each client also sends b_k = 1[||Delta_k|| <= C]; the
-server estimates the fraction b = (sum_k b_k + N(0, sigma_b^2)) / m and moves C
-geometrically towards the target quantile gamma: C <- C exp(-eta (b - gamma)) (C0 0.1,
-gamma 0.5, eta 0.2, sigma_b = m / 20). The update's noise multiplier is then
-z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2), so that both queries together cost the same as
-one Gaussian mechanism of multiplier z (their Thm. 1): the accountant uses z.
+server estimates the fraction from the centred bits, b = (sum_k (b_k - 1/2) +
+N(0, sigma_b^2)) / m + 1/2, and moves C geometrically towards the target quantile gamma:
+C <- C exp(-eta (b - gamma)) (C0 0.1, gamma 0.5, eta 0.2, sigma_b = m / 20). Centring
+halves the count's sensitivity to 1/2 when a client is added or removed (Andrew et al.
+Sect. 3; TensorFlow Privacy's `QuantileEstimatorQuery` does the same), which is what
+their split assumes: the update's noise multiplier is z_Delta = (z^-2 - (2 sigma_b)^-2)^(-1/2),
+so that both queries together cost the same as one Gaussian mechanism of multiplier z
+(their Thm. 1): the accountant (`fedjax_pan.privacy`) uses z.
+
+Reference: McMahan et al., "Learning Differentially Private Recurrent Language Models",
+ICLR 2018 (DP-FedAvg with the fixed denominator, Alg. 1); Andrew et al., "Differentially
+Private Learning with Adaptive Clipping", NeurIPS 2021 (Alg. 1, Thm. 1).
 
 The noise is drawn from (seed, round) alone. Models with non-trainable state (BatchNorm
 statistics) are refused: their statistics would be released without noise.
@@ -31,6 +38,7 @@ import jax.numpy as jnp
 from fedjax_pan.algorithms.core import Aggregator, FederatedAlgorithm, tree_bytes
 from fedjax_pan.compression import clip_by_norm
 from fedjax_pan.engine.protocol import output_update, with_output_update
+from fedjax_pan.references import Reference
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -81,6 +89,32 @@ def _add_sum(output_sum: PyTree, total_weight: Any) -> PyTree:
 DP_SUM = Aggregator(_add_sum, closes_empty=True)
 
 
+# The privacy mechanisms a config can select (`config.privacy`, `config.sampling`).
+MECHANISMS = ("dp_fedavg", "adaptive_clipping", "accountant")
+REFERENCES = {
+    "dp_fedavg": Reference(
+        "McMahan et al., 'Learning Differentially Private Recurrent Language Models', "
+        "ICLR 2018 (DP-FedAvg, Alg. 1: per-client clipping, the fixed denominator qK, "
+        "Gaussian noise of std z C on the sum)", None,
+        ("uniform client weights only (the paper's weighted estimator with capped weights "
+         "is not offered): each client's sensitivity is then C",
+         "models with non-trainable state (BatchNorm) are refused: their statistics would "
+         "be released without noise")),
+    "adaptive_clipping": Reference(
+        "Andrew et al., 'Differentially Private Learning with Adaptive Clipping', NeurIPS "
+        "2021 (Alg. 1 with the centred bits b_k - 1/2, geometric update, Thm. 1's noise "
+        "split)", None, ()),
+    "accountant": Reference(
+        "Mironov 2017 (RDP); Mironov et al. 2019 (Poisson-sampled Gaussian, add/remove one "
+        "client); Wang et al., AISTATS 2019 (sampling without replacement, replace one "
+        "client), as dp-accounting's RdpAccountant composes them", None,
+        ("uniform cohorts are accounted under replace-one neighbours (the sum's "
+         "sensitivity 2 C, multiplier z / 2): their epsilon is not comparable with "
+         "Poisson's add/remove epsilon, which is the default under DP "
+         "(config.sampling='auto')",)),
+}
+
+
 def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
             expected_clients: float, seed: int, adaptive: Optional[AdaptiveClip] = None
             ) -> FederatedAlgorithm:
@@ -123,7 +157,8 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
                                      local.clip)
         out = {"update": with_output_update(view, server.inner, output, clipped, broadcast)}
         if adaptive is not None:
-            out["unclipped"] = (norm <= local.clip).astype(jnp.float32)
+            # The centred bit b_k - 1/2 (module docstring).
+            out["unclipped"] = (norm <= local.clip).astype(jnp.float32) - 0.5
         return out, client_state
 
     def upload_bytes(output, local):
@@ -147,7 +182,7 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
         inner = algorithm.server_update(server.inner, mean, info)
         c = server.clip
         if adaptive is not None:
-            b = (aggregate["unclipped"] + count_std * jax.random.normal(k_count)) / m
+            b = (aggregate["unclipped"] + count_std * jax.random.normal(k_count)) / m + 0.5
             c = c * jnp.exp(-adaptive.lr * (b - adaptive.quantile))
         return DPServer(inner, c.astype(jnp.float32))
 
@@ -166,6 +201,6 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
             lambda server, cs, batch: algorithm.personal_adapt(server.inner, cs, batch)))
 
 
-__all__ = ["AdaptiveClip", "DPServer", "DPLocal", "DP_SUM", "counting_std",
+__all__ = ["MECHANISMS", "REFERENCES", "AdaptiveClip", "DPServer", "DPLocal", "DP_SUM", "counting_std",
            "update_noise_multiplier",
            "with_dp"]

@@ -8,10 +8,12 @@ logits over the clients that report it (the global average logits G_j). A client
 
     CE(f(x), y) + lam * CE(softmax(G_y), softmax(f(x)))
 
-(rows of a class without global logits add no distillation term). As PFLlib's
+(rows of a class without global logits add no distillation term; PFLlib's target for such
+a row is its own detached logits, a term with a gradient). As PFLlib's
 clientfd.py / serverfd.py: the means run over every local step's outputs of the round (all
 epochs, the model as it trains), the server's over the round's reporting clients (a class
-nobody reports drops out; weights 'num_examples': weighted by their sizes), and the
+nobody reports drops out; PFLlib's mean is unweighted, as here under the default
+`aggregation.weights` 'uniform'; 'num_examples' weighs them by their sizes), and the
 distillation target comes from the global logits of the example's label. PFLlib passes
 the raw logits G_y as the cross-entropy's target "probabilities" (unnormalised, possibly
 negative); here the target is the distribution softmax(G_y), the paper's teacher output.
@@ -32,6 +34,7 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
                                         server_model, tree_bytes, weighted_sum)
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -134,4 +137,19 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fd(model, client_tx, lam=cfg.fd.lam)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, heterogeneous=True)
+REFERENCE = Reference(
+    "Jeong et al., 'Communication-Efficient On-Device Machine Learning: Federated "
+    "Distillation and Augmentation under Non-IID Private Data', 2018, arXiv:1811.11479 "
+    "(FD: per-class average logits, averaged by the server, distilled "
+    "as the teacher's output)",
+    pfllib("servers/serverfd.py", "clients/clientfd.py"),
+    ("the distillation target is the distribution softmax(G_y), the paper's teacher "
+     "output; PFLlib passes the raw logits G_y as CrossEntropyLoss's target "
+     "probabilities (unnormalised, possibly negative)",
+     "a row whose label has no global logits adds no distillation term; PFLlib's target "
+     "for it is the row's own detached logits, a term with a gradient",
+     "the server's mean over the clients reporting a class follows aggregation.weights "
+     "(the default 'uniform' is PFLlib's unweighted mean; 'num_examples' weighs by size)"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, heterogeneous=True,
+                       reference=REFERENCE)

@@ -31,6 +31,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
                                         tree_bytes)
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference
 from fedjax_pan.rules import Rule, boolean, one_of
 
 PyTree = Any
@@ -38,6 +39,21 @@ GROUP_WEIGHTS = ("class_samples", "presence")
 OPTIONS = {"group_weights": "class_samples", "trim": False}
 RULES = {"group_weights": one_of(GROUP_WEIGHTS),
          "trim": Rule(boolean)}
+
+REFERENCE = Reference(
+    "Yu et al., 'Fed2: Feature-Aligned Federated Learning', KDD 2021 (paper 003: feature "
+    "paired averaging, Eq. 18-19); Yu et al., 'Heterogeneous Federated Learning', arXiv "
+    "2020 (Psi-Net, "
+    "paper 004: trimmed groups Eq. 6, group-wise averaging Eq. 7-9)", None,
+    ("the default group_weights='class_samples' weights client k's group g by its samples "
+     "of g's classes; the papers' Avg over the clients holding the class (004 Eq. 8) is "
+     "group_weights='presence'",
+     "the server averages the clients' deltas and applies them with FedAvg's server step; "
+     "a group no sampled client holds keeps its previous value",
+     "the decoupling depth and G are the grouped model's configuration "
+     "(fedjax_pan.models.grouped), not chosen by 003 Eq. 17's total variance",
+     "GroupNorm scale/shift travel with their group; BatchNorm statistics of shared layers "
+     "follow FedAvg's bn mode"))
 
 
 class Local(NamedTuple):
@@ -163,4 +179,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                 trim=cfg.fed2.trim)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, check=_check)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, check=_check, reference=REFERENCE)

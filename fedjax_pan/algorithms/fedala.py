@@ -33,6 +33,7 @@ from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -40,6 +41,24 @@ tree_map = jax.tree_util.tree_map
 OPTIONS = {"layers": 1, "eta": 1.0, "ala_epochs": 0.8}
 RULES = {"layers": between(1, 1000, integer=True), "eta": between(0, 100, lo_open=True),
          "ala_epochs": between(0, 1000, lo_open=True)}
+
+REFERENCE = Reference(
+    "Zhang et al., 'FedALA: Adaptive Local Aggregation for Personalized Federated "
+    "Learning', AAAI 2023 (ALA module, Eq. 4-6: element-wise weights W on the top layers, "
+    "learned on a random share of the local data)",
+    pfllib("servers/serverala.py", "clients/clientala.py") + ", system/utils/ALA.py",
+    ("the ALA pass is the first round(ala_share x steps) local steps of the round's local "
+     "work (ala_epochs out of local.epochs), on the first share of the round's first epoch "
+     "order; PFLlib's pass is extra, on a contiguous slice of rand_percent% of the data "
+     "starting at a random index",
+     "every round makes one pass; PFLlib's first ALA round repeats its pass until the std "
+     "of the last 10 losses is below 0.1",
+     "`layers` counts layers (default 1: the head); PFLlib's layer_idx counts parameter "
+     "tensors (its default 2: the head's weight and bias)",
+     "a client evaluates its ALA mix with its stored W; PFLlib re-learns W one pass on the "
+     "new global model before evaluating",
+     "aggregation weights are uniform by default; PFLlib weights by training samples "
+     "(aggregation.weights='num_examples')"))
 
 
 class AlaLocal(NamedTuple):
@@ -145,4 +164,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   eta=cfg.fedala.eta)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_ala_share)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_ala_share,
+                      reference=REFERENCE)

@@ -14,13 +14,22 @@ then trains on its own data
     F_i(w) + lambda / (2 alpha_k) ||w - u_i||^2
 
 and uploads w_i. As in PFLlib's clientamp.py the client starts its local steps from its
-own model w_i (the paper leaves the start open). Unlike PFLlib, which scales the plain
-norm ||w - u_i|| (not squared), the term is the paper's squared norm, and the others are
-every client that has uploaded once (PFLlib: those that uploaded in the last round), the
-server keeping each one's latest model. Before anyone uploads, u_i = w_i. Distances and
-weights are over the trainable parameters; BatchNorm statistics stay with the client.
-There is no global model: the global evaluation shows the initial one. Each client
-downloads one model, u_i.
+own model w_i (the paper leaves the start open). Before anyone uploads, u_i = w_i.
+Distances and weights are over the trainable parameters; BatchNorm statistics stay with
+the client. There is no global model: the global evaluation shows the initial one. Each
+client downloads one model, u_i.
+
+Deviations from PFLlib, and why:
+- PFLlib's proximal term has no gradient: clientamp.py builds it from `.data` (detached)
+  tensors, 0.5 lam / alpha_k ||w - u_i||, so it enters the loss as a constant, u_i never
+  reaches the client's model (`set_parameters` writes only `client_u`), and its clients
+  train exactly as Local training does. Here the term is differentiated in w, as the
+  paper has it; `lam = 0` reproduces PFLlib's training exactly (the attention weights do
+  not depend on lam).
+- The term is the paper's squared norm lam / (2 alpha_k) ||w - u_i||^2; PFLlib scales the
+  plain norm (which, having no gradient, changes only the logged loss).
+- The others are every client that has uploaded once, the server keeping each one's
+  latest model; PFLlib's are the clients that uploaded in the last round.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         own_model, server_model, tree_bytes)
 from fedjax_pan.rules import between
+from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -154,4 +164,15 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   sigma=o.sigma)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Huang et al., 'Personalized Cross-Silo Federated Learning on Non-IID Data', AAAI 2021 "
+    "(FedAMP: attentive message passing, Eq. 3-6)",
+    pfllib("servers/serveramp.py", "clients/clientamp.py"),
+    ("the proximal term's gradient is taken, as the paper's objective; PFLlib builds it from "
+     "`.data`, so it has none and PFLlib's clients train as Local does (lam = 0 reproduces "
+     "that)",
+     "the squared norm, as the paper (PFLlib's plain norm changes only its logged loss)",
+     "the attention runs over every client that has uploaded so far (PFLlib: the last "
+     "round's uploaders), so a client's cloud model sees every peer's latest model"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

@@ -22,8 +22,7 @@ As PFLlib's clientas.py / serveras.py (the paper leaves these open):
   momentum, no warm-up), over one pass;
 - the whole model (head included) is averaged; a client evaluates its own model as it
   last trained (the initial model before it has trained);
-- a client keeps its own non-trainable state (BatchNorm statistics); the server's is the
-  F-weighted mean, used by the global model (alignment and global evaluation).
+- a client keeps its own non-trainable state (BatchNorm statistics).
 
 Deviations, each for a reason:
 - Passes as local steps. Clients see data only as the round's batches, so the alignment
@@ -40,6 +39,9 @@ Deviations, each for a reason:
 - PFLlib's unselected clients also compute their FIM each round, unused by the
   aggregation: not done here. Where every F_i of a round is 0 the models are averaged with
   the engine's weights.
+- The server's non-trainable state (used by the global model: alignment and global
+  evaluation) is the F-weighted mean of the clients'; PFLlib's global model keeps the
+  first uploaded client's (it copies that model and averages its parameters only).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, ever
                                         server_model)
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -239,7 +242,23 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedas(model, client_tx, align, fim, server_tx, align_lr=cfg.fedas.align_lr)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_shares)
+REFERENCE = Reference(
+    "Yang, Huang and Ye, 'FedAS: Bridging Inconsistency in Personalized Federated Learning', "
+    "CVPR 2024 (parameter alignment of the global extractor to the client's prototypes, "
+    "and aggregation weighted by the trace of the empirical Fisher information)",
+    pfllib("servers/serveras.py", "clients/clientas.py"),
+    ("the alignment pass and the FIM pass are the first and last shares "
+     "(fedas.align_epochs, fedas.fim_epochs) of local.epochs' steps on the round's batches; "
+     "PFLlib adds one epoch each besides local_epochs, the alignment on batches of 16",
+     "prototypes come from the FIM pass of the client's previous round; a client that has "
+     "not trained skips alignment (PFLlib aligns to the initial model's class means)",
+     "unselected clients compute no FIM (PFLlib computes it, unused by the aggregation); "
+     "where every F_i of a round is 0 the engine's weights are used (PFLlib divides by 0)",
+     "the server's BatchNorm statistics are the F-weighted mean of the clients'; PFLlib's "
+     "global model keeps the first uploaded client's (it averages parameters only)"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_shares,
+                       reference=REFERENCE)
 
 __all__ = ["fedas", "alignment_loss", "fisher_trace", "AsServer", "AsLocal", "OPTIONS",
            "RULES", "ENTRY"]

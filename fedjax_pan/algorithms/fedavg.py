@@ -21,9 +21,27 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import FederatedAlgorithm, server_model
 from fedjax_pan.engine.protocol import ModelView
+from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 BN_MODES = ("mean", "local")
+
+REFERENCE = Reference(
+    "McMahan et al., 'Communication-Efficient Learning of Deep Networks from Decentralized "
+    "Data', AISTATS 2017 (FederatedAveraging, Alg. 1); server optimisers as Reddi et al., "
+    "'Adaptive Federated Optimization', ICLR 2021 (FedOpt, Alg. 1; FedAdam / FedYogi, "
+    "Alg. 2; FedAvgM: server SGD with momentum)",
+    pfllib("servers/serveravg.py", "clients/clientavg.py"),
+    ("aggregation weights are uniform by default (config.aggregation.weights='uniform'); "
+     "'num_examples' gives Alg. 1's n_k / n, which PFLlib uses",
+     "the default client optimiser (config.local) is SGD with momentum 0.9, weight decay "
+     "1e-5 and gradient-norm clipping at 100, not Alg. 1's plain SGD (momentum=0, "
+     "weight_decay=0 and a large grad_clip give it)",
+     "FedAdam / FedYogi are optax.adam / optax.yogi: their moments are bias-corrected, which "
+     "Reddi et al.'s Alg. 2 does not do, and optax.yogi starts both moments at 1e-6 (the "
+     "paper: m = 0, v >= tau^2); tau is optax's eps (default 1e-3, beta1 0.9, beta2 0.99)",
+     "BatchNorm statistics are averaged with the deltas (bn='mean') or kept per client "
+     "(bn='local', FedBN-style); the paper's models have none"))
 
 
 class ServerState(NamedTuple):

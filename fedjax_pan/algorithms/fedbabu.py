@@ -20,7 +20,11 @@ exactly that, from the current global model, before every evaluation, so FedBABU
 no `personal_variables` of its own: run it with `eval.finetune_epochs=10` and
 `partition.test_fraction > 0` for PFLlib's personalised numbers (the service tunes with
 the clients' optimiser, from a fresh state each time). Without it, clients are scored on
-the global model, as PFLlib's "Evaluate global model" during training. Keeping a
+the global model, as PFLlib's "Evaluate global model" during training. PFLlib tunes
+each client's own copy as it stands after the last round (the global model sent at that
+round's start, plus, for a client sampled in it, its own E epochs of body training with
+the head frozen); the service here tunes the global model after the round's
+aggregation, and does so before every evaluation, not once at the end. Keeping a
 fine-tuned model per client instead (in the client state, tuned when a client is
 sampled) would cost K models of memory, take the tuning steps out of the round's
 training, and score models tuned from a global model many rounds old.
@@ -46,6 +50,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms import personal
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 OPTIONS: dict = {}
@@ -110,6 +115,15 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedbabu(model, client_tx, server_tx, bn=cfg.aggregation.bn)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+REFERENCE = Reference(
+    "Oh, Kim & Yun, 'FedBABU: Toward Enhanced Representation for Federated Image "
+    "Classification', ICLR 2022 (body trained and averaged, head frozen, fine-tuned to "
+    "evaluate)", pfllib("servers/serverbabu.py", "clients/clientbabu.py"),
+    ("fine-tuning (`eval.finetune_epochs`, PFLlib's 10 in the personalised experiment) runs "
+     "before every evaluation from the aggregated global model; PFLlib tunes once at the "
+     "end, from each client's own copy",
+     "the body average follows `aggregation.weights` (PFLlib: by training-set size)"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, reference=REFERENCE)
 
 __all__ = ["fedbabu", "ENTRY", "OPTIONS", "RULES"]

@@ -65,6 +65,7 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         server_model, tree_bytes)
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -218,7 +219,25 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   tau=cfg.fedcac.tau, beta=cfg.fedcac.beta)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Wu et al., 'Bold but Cautious: Unlocking the Potential of Personalized "
+    "Federated Learning through Cautiously Aggregating Collaborative Knowledge', ICCV 2023 "
+    "(FedCAC: the sensitivity |dw * w|, the per-layer top-tau critical mask, the overlap "
+    "o_ij, the threshold T and the customised global model, Algorithm 1)",
+    pfllib("servers/servercac.py", "clients/clientcac.py"),
+    ("defaults tau = 0.5, beta = 100 are the authors' released configuration (Fling); "
+     "PFLlib's defaults (tau = 1.0, beta = 0, which fails its own assert beta >= 1) do not "
+     "run FedCAC",
+     "BatchNorm statistics are the global model's, averaged as FedAvg's; PFLlib mixes "
+     "parameters only and its clients keep their own running statistics",
+     "round 0 builds customised models as every round does; PFLlib builds none in round 0 "
+     "(its epoch != 0 test), so after round 0 its critical parameters take the initial "
+     "model's values",
+     "with one client in a round its customised model is its own (PFLlib's threshold "
+     "over no pairs is undefined)"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
+                       reference=REFERENCE)
 
 __all__ = ["fedcac", "critical_mask", "overlaps", "collaborators", "CacServer", "CacLocal",
            "OPTIONS", "RULES", "ENTRY"]

@@ -52,6 +52,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -301,4 +302,23 @@ def driver(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                      from_config)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=driver, personal=True)
+REFERENCE = Reference(
+    "Zhang et al., 'FedCP: Separating Feature Information for "
+    "Personalized Federated Learning via Conditional Policy', KDD 2023 (Algorithm 1: the "
+    "conditional policy s_i over h * v_i, the ensemble of personal and global heads, the "
+    "CE + lambda MMD loss)",
+    pfllib("servers/servercp.py", "clients/clientcp.py"),
+    ("clients receive the latest global head and CPN at the start of the round they are "
+     "sampled in (the paper's Algorithm 1); PFLlib hands them only to the round's clients "
+     "at its end, so a client trains with those of its own last round",
+     "the personal model is evaluated with the noise-free policy softmax([a_p, a_g] / tau); "
+     "PFLlib samples Gumbel noise at test time too (a random prediction)",
+     "a client that has never trained uses one uniform-[0, 1) context drawn from the config "
+     "seed and shared by all clients; PFLlib draws one per client (torch.rand)",
+     "BatchNorm statistics are averaged with the extractor; PFLlib aggregates and sends "
+     "parameters only (each client keeps its own running statistics)",
+     "runs through a one-group Groups driver evaluating CPNet: stragglers, attacks, "
+     "shuffling, fine-tuning and model.architectures are refused"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=driver, personal=True,
+                       reference=REFERENCE)

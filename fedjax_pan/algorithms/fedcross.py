@@ -54,6 +54,7 @@ from fedjax_pan import models as models_lib
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         own_model, server_model)
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between, one_of
 
 PyTree = Any
@@ -189,7 +190,27 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                     strategy=o.strategy, first_stage_bound=o.first_stage_bound)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Hu et al., 'FedCross: Towards Accurate Federated "
+    "Learning via Multi-Model Cross-Aggregation', ICDE 2024 (Algorithm 1: middleware models "
+    "trained by clients, then w_j <- alpha w_j + (1 - alpha) w_c(j) by the collaborative "
+    "model selection strategy)",
+    pfllib("servers/servercross.py", "clients/clientcross.py"),
+    ("the server keeps one middleware model per client and a sampled client trains its "
+     "own; PFLlib keeps M (the clients a round) and hands the j-th to the round's j-th "
+     "sampled client, so a middleware model visits a random client each round (equal under "
+     "full participation up to the dispatch)",
+     "with one client a round it keeps its own model (PFLlib's cyclic offset divides by "
+     "M - 1 = 0)",
+     "similarities are summed over each layer's parameters (the last layer twice); PFLlib "
+     "pairs consecutive state_dict entries, which with BatchNorm buffers do not align with "
+     "layers",
+     "the global model (the round's weighted mean, BatchNorm statistics averaged) is "
+     "evaluated as the 'global' one; PFLlib computes it (with the first uploaded client's "
+     "statistics) but scores only the clients' own models"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
+                       reference=REFERENCE)
 
 __all__ = ["fedcross", "similarities", "collaborators", "CrossServer", "STRATEGIES",
            "OPTIONS", "RULES", "ENTRY"]

@@ -18,7 +18,8 @@ stays near it. A client is scored with its own (f_i, h_i).
 
 Choices as PFLlib: lam = 1 (its `-lam` default); both heads start as the initial head;
 every client starts from the initial model. As PFLlib trains E epochs of each phase, the
-first `head_fraction` (0.5) of the round's local steps are phase 1 and the rest phase 2.
+first `head_fraction` (0.5) of the round's local steps are phase 1 and the rest phase 2:
+`local.epochs` = 2E gives PFLlib's E + E (experiments/personalized.py sets it).
 Deviations: PFLlib builds the penalty from `.data` (detached) tensors, so in PFLlib it
 has no gradient and phase 1 is plain CE (that is lam = 0 here); here it has its gradient
 (h_i - g) / ||h_i - g|| (0 where h_i = g, e.g. a client's first round), which is what the
@@ -43,6 +44,7 @@ from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
+from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -163,4 +165,14 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                  head_fraction=cfg.fedda.head_fraction)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Shi & Kontar, 'Personalized Federated Learning via Domain Adaptation with an "
+    "Application to Distributed 3D Printing', Technometrics 2023 (FedDA)",
+    pfllib("servers/serverda.py", "clients/clientda.py"),
+    ("the head penalty's gradient is taken; PFLlib builds it from `.data`, so it has none "
+     "(lam = 0 reproduces PFLlib's training)",
+     "one client optimiser serves both heads and the extractor (PFLlib: a second SGD for "
+     "the global head)",
+     "the head average follows `aggregation.weights` (PFLlib: by training-set size)"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

@@ -60,6 +60,7 @@ from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -205,6 +206,22 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   mean_rounds=o.mean_rounds)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Zhang et al., 'Eliminating Domain Bias for Federated "
+    "Learning in Representation Space', NeurIPS 2023 (FedDBE: the personalised "
+    "representation bias PRBM and the mean regularisation MR towards the consensus mean, "
+    "Algorithm 1)",
+    pfllib("servers/serverdbe.py", "clients/clientdbe.py"),
+    ("the global mean is estimated over the first feddbe.mean_rounds sampled rounds (their "
+     "clients' training kept) and then frozen; PFLlib trains every client once before round "
+     "0 (that training discarded) to form it from all clients",
+     "the PRBM c_i is stepped by client_tx together with the model; PFLlib gives it a plain "
+     "SGD at the same learning rate (the same step where client_tx is plain SGD without "
+     "weight decay)",
+     "BatchNorm statistics are averaged as FedAvg's default (bn='mean'); PFLlib aggregates "
+     "parameters only"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
+                       reference=REFERENCE)
 
 __all__ = ["feddbe", "dbe_objective", "DbeServer", "DbeLocal", "OPTIONS", "RULES", "ENTRY"]

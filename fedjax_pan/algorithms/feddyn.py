@@ -46,6 +46,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import ServerState, fedavg
 from fedjax_pan.algorithms.fedprox import proximal_term
+from fedjax_pan.references import Reference
 from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
@@ -53,6 +54,15 @@ tree_map = jax.tree_util.tree_map
 OPTIONS = {"alpha": 0.01, "log_term": False}
 # The server divides h by alpha in float32: a tiny alpha rounds to 0 there (h / 0 = NaN).
 RULES = {"alpha": between(1e-6, 100), "log_term": Rule(boolean)}
+
+REFERENCE = Reference(
+    "Acar et al., 'Federated Learning Based on Dynamic Regularization', ICLR 2021 "
+    "(FedDyn, Alg. 1)", None,
+    ("the local objective is minimised approximately, by the configured client optimiser's "
+     "local steps (the paper's analysis assumes the exact minimiser)",
+     "not PFLlib's clientdyn.py, which adds alpha/2 ||theta - theta^{t-1}|| (the norm, not "
+     "its square) to the loss: the paper's squared norm is used here",
+     "only uniform weights and the 'mean' rule (the sum over S is |S| times the mean)"))
 
 
 class FedDynServer(NamedTuple):
@@ -151,7 +161,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   bn=agg.bn)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, reference=REFERENCE)
 
 __all__ = ["feddyn", "linear_term", "FedDynServer", "ClientState", "FedDynLocal",
            "OPTIONS", "RULES", "ENTRY"]

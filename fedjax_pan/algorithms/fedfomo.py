@@ -58,6 +58,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         server_model, tree_bytes)
 from fedjax_pan.engine.simulation import clients_per_round
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -226,7 +227,21 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedfomo(model, client_tx, k, _val_share(cfg), server_tx, m=m)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_val_share)
+REFERENCE = Reference(
+    "Zhang, Sapra, Fidler, Yeung and Alvarez, 'Personalized Federated Learning with First "
+    "Order Model Optimization', ICLR 2021 (FedFomo: the first-order weights w_n on the "
+    "received models and the affinity matrix P, Algorithm 1)",
+    pfllib("servers/serverfomo.py", "clients/clientfomo.py"),
+    ("validation is the first round(val_epochs x steps) local steps of the round (the "
+     "start of its first epoch's order, trained on afterwards); PFLlib holds out the last "
+     "20% of a client's training data",
+     "L is the mean loss over the validation examples; PFLlib's is the mean of its "
+     "batches' means",
+     "a client whose validation pass has no step keeps its model and adds nothing to P",
+     "there is no global model: the global evaluation shows the initial model"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_val_share,
+                       reference=REFERENCE)
 
 __all__ = ["fedfomo", "fomo_weights", "mix_params", "FomoServer", "FomoLocal", "OPTIONS",
            "RULES", "ENTRY"]

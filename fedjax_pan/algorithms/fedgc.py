@@ -58,6 +58,7 @@ from fedjax_pan.algorithms import personal
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         tree_bytes)
 from fedjax_pan.algorithms.fedavg import ServerState
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -255,7 +256,27 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                  lam * cfg.optimizer.lr, server_tx)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Niu and Deng, 'Federated Learning for Face Recognition with Gradient Correction', "
+    "AAAI 2022 (FedGC: local softmax over the client's own classes, and the server's "
+    "softmax regulariser on the class embeddings, the gradient correction)",
+    pfllib("servers/servergc.py", "clients/clientgc.py"),
+    ("a client reports its classes with its first output, so its head joins the "
+     "regulariser once it has trained; PFLlib's server knows every client's classes from "
+     "the start and regularises every head from round 0",
+     "every client starts from the global model's initial head (PFLlib initialises each "
+     "client's head separately)",
+     "BatchNorm statistics are averaged with the body (FedAvg's bn='mean'); PFLlib "
+     "averages the body's parameters only and its clients keep their own statistics",
+     "a client's test example of a class it holds no example of is scored wrong (that "
+     "class is never predicted); PFLlib maps its label to the client's first held class",
+     "the global model (eval_variables: the averaged body with each class's mean "
+     "embedding) is evaluated here; PFLlib does not score one",
+     "the aggregator is stacked (the server needs each client's head): model-space "
+     "defences, attacks and stragglers do not apply"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
+                       reference=REFERENCE)
 
 __all__ = ["fedgc", "regulariser", "class_embeddings", "held_softmax_cross_entropy",
            "ENTRY", "OPTIONS", "RULES"]

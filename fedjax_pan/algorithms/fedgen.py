@@ -45,6 +45,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, server_model,
                                         tree_bytes)
 from fedjax_pan.algorithms.personal import HEAD, linear_head
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
@@ -235,4 +236,18 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   localize_features=o.localize_features, seed=cfg.seed)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, heterogeneous=True)
+REFERENCE = Reference(
+    "Zhu, Hong and Zhou, 'Data-Free Knowledge Distillation for Heterogeneous Federated "
+    "Learning', ICML 2021 (FedGen: the server's generator trained on the ensemble of the "
+    "clients' heads, and the clients' cross-entropy on generated representations)",
+    pfllib("servers/servergen.py", "clients/clientgen.py"),
+    ("labels y' are drawn from the label distribution of the last round's clients "
+     "(uniform before any round); PFLlib draws from every client's labels, known at the "
+     "start",
+     "the generator's first Dense has no bias (the batch normalisation after it, always "
+     "on batch statistics, cancels it); PFLlib's has one",
+     "with localize_features the global head starts as a draw from the seed, the same for "
+     "every network; PFLlib's is a copy of the model's initial head"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, heterogeneous=True,
+                       reference=REFERENCE)

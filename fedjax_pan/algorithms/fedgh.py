@@ -13,9 +13,10 @@ As PFLlib's servergh.py / clientgh.py: every reported pair is one training examp
 weighting by the clients' sizes), the pass uses `local.batch_size` and keeps a last
 partial batch, the server's rate is PFLlib's `server_learning_rate` (1.0), and a client is
 scored with its own body and the current global head (PFLlib evaluates after handing out
-the head). The global head starts as a draw from the seed (PFLlib: the first client's
-initial head), the same for every network. The prototype pass is the last round(share x
-steps) local steps of the round (`fedgh.collect_epochs` out of `local.epochs`, 1.0: one
+the head). The global head starts as a draw from the seed, the same for every network
+(PFLlib's is the first client's head module itself, not a copy, so that client's local
+training moves the global head too; here only the server's pass does). The prototype
+pass is the last round(share x steps) local steps of the round (`fedgh.collect_epochs` out of `local.epochs`, 1.0: one
 pass). The order of the server's pass is drawn from (seed, round). Outputs are (C, D)
 prototypes whatever the client's network, so clients may run several whose representations
 are equally wide (`model.architectures`). Each client downloads the head and uploads its
@@ -37,6 +38,7 @@ from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, ever
 from fedjax_pan.algorithms.fedproto import collecting_step
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -182,5 +184,18 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                  batch_size=cfg.local.batch_size, seed=cfg.seed)
 
 
+REFERENCE = Reference(
+    "Yi et al., 'FedGH: Heterogeneous Federated Learning with Generalized Global Header', "
+    "ACM MM 2023 (the global head trained by the server on the clients' class prototypes, "
+    "Algorithm 1)",
+    pfllib("servers/servergh.py", "clients/clientgh.py"),
+    ("the prototype pass (eval mode) is the last round(collect_epochs x steps) local steps "
+     "of the round; PFLlib adds one pass over the data after the local epochs",
+     "the global head starts as a draw from the seed, the same for every network; PFLlib's "
+     "is the first client's head module itself, so that client's local training also moves "
+     "the global head (here only the server's pass does)",
+     "the order of the server's pass is drawn from (seed, round), not PyTorch's generator"))
+
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_collect_share,
-                       heterogeneous=True)
+                       heterogeneous=True,
+                       reference=REFERENCE)

@@ -80,6 +80,7 @@ from fedjax_pan.algorithms.fml import (DEFAULT_SPEC, KL_MEANS, check_spec, clip_
                                        spec_error)
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
 PyTree = Any
@@ -300,5 +301,26 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                  seed=cfg.seed)
 
 
+REFERENCE = Reference(
+    "Wu et al., 'Communication-efficient federated learning via knowledge distillation', "
+    "Nature Communications 13, 2032, 2022 (FedKD: adaptive mutual distillation L_t, L_s "
+    "with hidden-state loss, and SVD compression of the update at the energy T(r))",
+    pfllib("servers/serverkd.py", "clients/clientkd.py"),
+    ("the student is the option fedkd.student (default mlp(hidden=(200,))), so W_h maps "
+     "D_s to D_t; PFLlib's student and teacher are copies of the global model (W_h square)",
+     "the student's update is compressed (the paper's gradients) and the download is the "
+     "uncompressed student; PFLlib factorises the whole student model and the global model",
+     "where no prefix of singular values exceeds T(r) a matrix keeps them all (PFLlib's "
+     "loop leaves k = 0 and zeroes it); a matrix goes dense where its factors would be "
+     "larger (PFLlib always factorises)",
+     "a conv kernel is factorised as its (kh kw in) x out matrix; PFLlib's numpy SVD of a "
+     "4-D weight factorises each kh x kw slice",
+     "the denominator CE_t + CE_s is kept >= 1e-8 (PFLlib divides by 0 on a batch of "
+     "padding only)",
+     "the server averages with the configured aggregation weights (PFLlib's uniform 1/M is "
+     "aggregation.weights='uniform', the default) and averages the student's BatchNorm "
+     "statistics (PFLlib shares parameters only)"))
+
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, heterogeneous=True,
-                       input_shape=True)
+                       input_shape=True,
+                       reference=REFERENCE)

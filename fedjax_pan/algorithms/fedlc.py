@@ -37,6 +37,7 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -102,6 +103,21 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedlc(model, client_tx, server_tx, tau=cfg.fedlc.tau, bn=cfg.aggregation.bn)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+REFERENCE = Reference(
+    "Zhang et al., 'Federated Learning with Label Distribution Skew via Logits "
+    "Calibration', ICML 2022 (the calibrated loss: logits shifted by tau n_{c,y}^(-1/4) "
+    "before the cross-entropy, each client by its own label counts)",
+    pfllib("servers/serverlc.py", "clients/clientlc.py"),
+    ("each client calibrates by its own label counts, as the paper; PFLlib's serverlc.py "
+     "calibrates every client by the counts summed over all clients (one shared margin, in "
+     "effect global logit adjustment)",
+     "the softmax denominator runs over every class, y included, as PFLlib's "
+     "CrossEntropyLoss(output - calibration, y); the paper prints sum over y' != y, a "
+     "loss unbounded below",
+     "a client with no examples, and tau = 0, train on plain cross-entropy over every "
+     "class (the formula has no margin to apply)"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES,
+                       reference=REFERENCE)
 
 __all__ = ["fedlc", "calibration", "calibrated_cross_entropy", "ENTRY", "OPTIONS", "RULES"]

@@ -55,6 +55,7 @@ from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, tree
                                         weighted_sum)
 from fedjax_pan.engine import LocalWork
 from fedjax_pan.engine.services import Services, SimState
+from fedjax_pan.references import Reference
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
 PyTree = Any
@@ -62,6 +63,20 @@ Variables = Dict[str, Any]
 OWN_INIT_STREAM = 0xFED  # folded into the seed's key for the clients' own initialisations
 
 HEAD_RETRAINS = ("ibm", "same")
+
+REFERENCE = Reference(
+    "Wang et al., 'Federated Learning with Matched Averaging', ICLR 2020 (FedMA, Alg. 1: "
+    "layer-wise BBP-MAP matching, Eq. 3-4, then retraining of the layers above)", None,
+    ("where the paper leaves choices open this module follows IBM's released FedMA code "
+     "(--comm_type=fedma), as its docstring says; that code is not pinned here: the new-"
+     "neuron cap min(L_j, max(700 - L, 1)) and the head retraining (3x the epochs, a tenth "
+     "of the rate, weight decay 1e-4) are its defaults",
+     "every client starts round 1 from the global model (own_init=False); IBM's code starts "
+     "each from its own random initialisation (own_init=True)",
+     "the prior mean mu0_bias sits on each neuron's bias on every layer; IBM's code puts it "
+     "there on the first layer only (later layers: on the first incoming weight)",
+     "MLP and VGG without normalisation and without PANs only; the head is averaged per "
+     "class, weighted by the clients' class counts"))
 OPTIONS = {"sigma": 1.0, "sigma0": 1.0, "mu0_bias": 0.1, "gamma": 7.0, "iterations": 5,
            "retrain_epochs": placeholder(float), "width_cap": 700, "own_init": False,
            "head_retrain": "ibm"}
@@ -363,4 +378,4 @@ def _no_round(model, cfg, client_tx, server_tx):
                      "federated round")
 
 
-ENTRY = AlgorithmEntry(_no_round, OPTIONS, RULES, driver=from_config)
+ENTRY = AlgorithmEntry(_no_round, OPTIONS, RULES, driver=from_config, reference=REFERENCE)

@@ -62,6 +62,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
                                         own_model, server_model)
 from fedjax_pan.engine.protocol import tree_bytes
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between, one_of
 
 PyTree = Any
@@ -194,4 +195,23 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   lam=cfg.fedmtl.lam, regularizer=cfg.fedmtl.regularizer)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Smith, Chiang, Sanjabi and Talwalkar, 'Federated Multi-Task Learning', NeurIPS 2017 "
+    "(MOCHA: min_W sum_k f_k(w_k) + lambda tr(W Omega W^T), mean-regularised Omega), as "
+    "PFLlib's FedMTL implements it",
+    pfllib("servers/servermtl.py", "clients/clientmtl.py"),
+    ("the regulariser is differentiated in w_k (the paper's and the code's intent); "
+     "PFLlib's reads detached state_dict tensors, so R enters its loss as a constant and "
+     "its clients train as Local does (lam = 0 reproduces that)",
+     "W holds all K clients' latest models (never sampled: the initial model) and omega "
+     "uses K clients; PFLlib's W holds the round's M sampled clients' models and uses M "
+     "(equal under full participation)",
+     "d omits BatchNorm's num_batches_tracked counters and W holds the parameters only "
+     "(PFLlib's buffers in W are constants: they change R's value, not its gradient)",
+     "the default regularizer='pfllib' is PFLlib's R (torch.ones for I, scale 10^-f); "
+     "'paper' is lambda tr(W Omega W^T); MOCHA's primal-dual solver and its learned Omega "
+     "are not reproduced (SGD on the primal with a fixed Omega, as PFLlib)",
+     "there is no global model: the global evaluation shows the initial one"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
+                       reference=REFERENCE)

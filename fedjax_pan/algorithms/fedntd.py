@@ -32,6 +32,7 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -85,6 +86,15 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   bn=cfg.aggregation.bn)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+REFERENCE = Reference(
+    "Lee et al., 'Preservation of the Global Knowledge by Not-True Distillation in "
+    "Federated Learning', NeurIPS 2022 (FedNTD: CE + beta tau^2 KL(q_g || q_l) over the "
+    "not-true classes)",
+    pfllib("servers/serverntd.py", "clients/clientntd.py"),
+    ("beta defaults to 1.0, the paper's value; PFLlib's --beta defaults to 0.0 (an "
+     "argument other methods share; at 0 FedNTD is FedAvg)",))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES,
+                       reference=REFERENCE)
 
 __all__ = ["fedntd", "not_true_kl", "ENTRY", "OPTIONS", "RULES"]

@@ -30,16 +30,18 @@ plus V >= 0), so PFLlib's eigenvalue clipping and "no solution" fallback never a
 A client is scored with the global extractor and its own head (the global extractor's
 slot holds the initial head until then).
 
-Choices: as PFLlib with its default one local epoch (one epoch head, one epoch body),
-the head phase is the first `head_fraction` (0.5) of the round's local steps and the
-body phase the rest. Deviations (to stay inside one pass of local steps): V and h come
-from the head phase's batches (the extractor is still the received one there; PFLlib
-makes a separate pass over the data before training), and the class means from the body
-phase's training batches as they are seen (PFLlib: a pass with the trained extractor
-after training; its commented-out code collected them in the loop as here); examples
-count as often as they are visited. The frozen parts do not move (their updates are
-masked out). Before any client has trained there are no prototypes (no alignment term,
-PFLlib's first round).
+Choices: the head phase is the first `head_fraction` of the round's local steps and the
+body phase the rest. PFLlib's clientpac.py trains the head one epoch and then the body
+E (`local_epochs`) epochs: `local.epochs` = E + 1 with `head_fraction` = 1 / (E + 1)
+reproduces it (the default 0.5 is E = 1 with `local.epochs` = 2;
+experiments/personalized.py sets both). Deviations (to stay inside one pass of local
+steps): V and h come from the head phase's batches (the extractor is still the received
+one there; PFLlib makes a separate pass over the data before training), and the class
+means from the body phase's training batches as they are seen (PFLlib: a pass with the
+trained extractor after training; its commented-out code collected them in the loop as
+here); examples count as often as they are visited. The frozen parts do not move
+(their updates are masked out). Before any client has trained there are no prototypes
+(no alignment term, PFLlib's first round).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, ever
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
+from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -282,4 +285,15 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   head_fraction=cfg.fedpac.head_fraction)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Xu, Tong & Huang, 'Personalized Federated Learning with Feature Alignment and "
+    "Classifier Collaboration', ICLR 2023 (FedPAC, Alg. 1, Eq. 11-13)",
+    pfllib("servers/serverpac.py", "clients/clientpac.py"),
+    ("the statistics V and h come from the head phase's batches, not a separate pass: one "
+     "pass of local steps",
+     "class means come from the body phase's training batches, not a pass after training",
+     "the combination QP is solved by FISTA on the simplex, not cvxpy (checked against "
+     "scipy)",
+     "the extractor is averaged by `aggregation.weights` (PFLlib: by training-set size)"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

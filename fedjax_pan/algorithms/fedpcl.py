@@ -3,31 +3,49 @@ Contrastive Learning Approach"): clients learn representations against shared cl
 prototypes, contrastively.
 
 Every client keeps its own model and reports its local prototypes: the class means of its
-normalised representation r = f(x) / ||f(x)|| (f: the head's input). The server sends
-every client the global prototypes (the class means of the reported prototypes over the
-clients reporting the class) and the set of the clients' own prototypes. A client trains
-its representation on
+normalised representation r = f(x) / ||f(x)|| (f: the head's input). The server keeps the
+global prototypes G (the class means of the prototypes the round's clients report, over
+those holding the class) and the set S of every client's latest prototypes, each padded
+with G where it has none (PFLlib's `prototype_padding`), and sends both to every client.
+A client trains its representation on
 
-    L = CE(r . G^T / tau, y) + (1 / |S|) sum_{s in S} CE(r . P_s^T / tau, y),
+    L = CE(r . G^T / tau, y) + (1 / K) sum_{s = 1..K} CE(r . P_s^T / tau, y),
 
-G the global prototypes, P_s client s's, both over the classes they hold (a class a
-client lacks is no candidate in its term; a row whose label it lacks has no term there,
-and S's mean runs over the clients holding the label: PFLlib assumes every client holds
-every class), then reports its new prototypes from one pass
-over its data with the trained model. It is scored by its own prototypes: the class j
-maximising r . p_j, which is its network with the head replaced by its prototypes.
+P_s client s's padded prototypes, K the number of clients (its own among them), each term
+over the classes its prototypes hold (a class missing from a set is no candidate there,
+and a row whose label a set lacks adds 0 to that term: PFLlib assumes every class is
+present), then reports its new prototypes from one pass over its data with the trained
+model. It is scored by its own prototypes padded with the current G: the class j
+maximising r . p_j, which is its network with the head replaced by those prototypes.
 
 As PFLlib's clientpcl.py / serverpcl.py: a client that has never reported prototypes
-only collects them in its first round (it does not train); the global prototypes and the
-set S are those of the previous round's reporting clients; prototypes are not
-renormalised after averaging; the head (unused by the loss) is never trained. PFLlib's
-pass collecting prototypes is the last round(share x steps) local steps here
+only collects them in its first round (it does not train); G is the mean over the
+previous round's reporting clients; S holds all K clients, a client's prototypes kept
+until it reports again (stale) and the sum divided by K; a client that has never
+reported is padded with G whole, and a class a client lacks with G's prototype of it,
+once: an entry padded stays as it was padded until its client reports again (PFLlib pads
+only what is still missing); prototypes are not renormalised after averaging; the head
+(unused by the loss) is never trained. PFLlib's pass collecting prototypes (eval mode,
+no gradient, after training) is the last round(share x steps) local steps here
 (`fedpcl.collect_epochs` out of `local.epochs`, 1.0: one pass); its gradient clipping
-(norm 10) is the clients' optimiser's (`optimizer.grad_clip`). PFLlib's backbones are
-frozen pre-trained networks with a trained projection; here the whole network trains
-from its initialisation. Outputs are (C, D) prototypes whatever the network, so clients
-may run several of one representation width (`model.architectures`). Each client
-downloads the global prototypes and the set, and uploads its prototypes.
+(norm 10) is the clients' optimiser's (`optimizer.grad_clip`). Each client downloads G
+and the K padded prototypes, (1 + K) x (C x D + C) numbers (the presence masks
+included), and uploads its prototypes.
+
+Departures from PFLlib, and why:
+- PFLlib stacks a set's prototypes in its dict's order (the order the classes first
+  appear in a shuffled loader), so column j of its similarities is class j only by
+  chance; here column j is class j, as the paper's loss has it.
+- A client's own padded prototypes (what PFLlib scores it with) are padded here with the
+  current G when it is scored; PFLlib pads them once, with G of the round it reported.
+  The two coincide for a client that reported in the last round (every client under
+  full participation).
+- PFLlib's backbones are frozen pre-trained networks with a trained projection; here
+  the whole network trains from its initialisation. Outputs are (C, D) prototypes
+  whatever the network, so clients may run several of one representation width
+  (`model.architectures`).
+- A client that has never reported is scored by its own (initial) head; PFLlib leaves it
+  out of the aggregate (it counts 0 of 1e-5 examples).
 """
 
 from __future__ import annotations
@@ -46,6 +64,7 @@ from fedjax_pan.algorithms.fedproto import NEVER, collecting_step
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
+from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 OPTIONS = {"tau": 1.0, "collect_epochs": 1.0}
@@ -55,9 +74,10 @@ RULES = {"tau": between(0.01, 100), "collect_epochs": between(0, 1000, lo_open=T
 class PclServer(NamedTuple):
     params: PyTree  # this network's initial model (the global evaluation's)
     model_state: PyTree
-    protos: jax.Array  # (K, C, D) each client's latest prototypes
-    has: jax.Array  # (K, C) the classes each holds
-    reported: jax.Array  # (K,) 1.0 for the last round's reporting clients (the set S)
+    protos: jax.Array  # (K, C, D) the set S: each client's latest prototypes, padded
+    present: jax.Array  # (K, C) 1.0 where S's entry holds a prototype
+    global_protos: jax.Array  # (C, D) G: the last round's reporters' class means
+    global_present: jax.Array  # (C,) 1.0 where some reporter held the class
     round: jax.Array
 
 
@@ -75,29 +95,35 @@ def normalised(z: jax.Array) -> jax.Array:
     return z / jnp.maximum(jnp.linalg.norm(z, axis=-1, keepdims=True), 1e-12)
 
 
-def global_prototypes(protos: jax.Array, has: jax.Array, reported: jax.Array):
-    """((C, D) the class means of the reporting clients' prototypes, (C,) present)."""
-    w = has * reported[:, None]
-    total = jnp.sum(w, axis=0)
-    mean = jnp.einsum("kc,kcd->cd", w, protos) / jnp.maximum(total, 1.0)[:, None]
+def global_prototypes(protos: jax.Array, has: jax.Array):
+    """((C, D) the class means of prototypes (N, C, D) over the clients holding each
+    class (`has` (N, C), 0 for a slot without a report), (C,) present)."""
+    total = jnp.sum(has, axis=0)
+    mean = jnp.einsum("kc,kcd->cd", has, protos) / jnp.maximum(total, 1.0)[:, None]
     return mean, (total > 0).astype(jnp.float32)
 
 
-def contrastive_loss(r: jax.Array, labels: jax.Array, mask: jax.Array, protos: jax.Array,
-                     has: jax.Array, reported: jax.Array, tau: float) -> jax.Array:
-    """The sum over real rows of the global term plus the mean over the set S of the
-    clients' terms (module docstring); r normalised (B, D). A row's term against a set of
-    prototypes lacking its label is left out (and the mean runs over the clients holding
-    it): its label is no candidate there."""
-    def term(p, present):
-        logits = jnp.where(present[None, :] > 0, r @ p.T / tau, NEVER)
+def pad_with_global(protos: jax.Array, present: jax.Array, g: jax.Array,
+                    g_present: jax.Array):
+    """PFLlib's `prototype_padding`: every entry of the set (K, C, D) still without a
+    prototype takes G's (where G has one); entries that hold one keep it."""
+    fill = (present == 0) & (g_present[None, :] > 0)
+    return (jnp.where(fill[..., None], g[None], protos),
+            jnp.maximum(present, g_present[None, :]))
+
+
+def contrastive_loss(r: jax.Array, labels: jax.Array, mask: jax.Array, g: jax.Array,
+                     g_present: jax.Array, protos: jax.Array, present: jax.Array,
+                     tau: float) -> jax.Array:
+    """The sum over real rows of the term against G plus the terms against each of the K
+    entries of the set S over K (module docstring); r normalised (B, D). A class missing
+    from a set is no candidate there, and a row whose label it lacks adds 0 to its term."""
+    def term(p, there):
+        logits = jnp.where(there[None, :] > 0, r @ p.T / tau, NEVER)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        return jnp.where(present[labels] > 0, ce, 0.0)
-    g, g_present = global_prototypes(protos, has, reported)
-    per_client = jax.vmap(term)(protos, has)  # (K, B)
-    holders = reported[:, None] * has[:, labels]  # (K, B) the set's clients holding y
-    n = jnp.maximum(jnp.sum(holders, axis=0), 1.0)
-    rows = term(g, g_present) + jnp.sum(holders * per_client, axis=0) / n
+        return jnp.where(there[labels] > 0, ce, 0.0)
+    per_client = jax.vmap(term)(protos, present)  # (K, B)
+    rows = term(g, g_present) + jnp.sum(per_client, axis=0) / protos.shape[0]
     return jnp.sum(rows * mask)
 
 
@@ -116,10 +142,11 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
         d, c = linear_head(params, "FedPCL")["kernel"].shape
         return PclServer(params, model_state, jnp.zeros((num_clients, c, d), jnp.float32),
                          jnp.zeros((num_clients, c), jnp.float32),
-                         jnp.zeros((num_clients,), jnp.float32), jnp.zeros((), jnp.int32))
+                         jnp.zeros((c, d), jnp.float32), jnp.zeros((c,), jnp.float32),
+                         jnp.zeros((), jnp.int32))
 
     def client_state_init(server):
-        c, d = server.protos.shape[1:]
+        c, d = server.global_protos.shape
         return {"variables": {"params": server.params, **server.model_state},
                 "protos": jnp.zeros((c, d), jnp.float32),
                 "has": jnp.zeros((c,), jnp.float32)}
@@ -134,8 +161,9 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def train_step(local, batch, server):
         def loss(outputs, labels, mask):
-            return contrastive_loss(normalised(outputs[1]), labels, mask, server.protos,
-                                    server.has, server.reported, tau)
+            return contrastive_loss(normalised(outputs[1]), labels, mask,
+                                    server.global_protos, server.global_present,
+                                    server.protos, server.present, tau)
         train, metrics = local_lib.sgd_step(net, client_tx, local.train, batch, loss=loss)
         # A client without prototypes of its own only collects them (PFLlib).
         train = jax.tree_util.tree_map(lambda new, old: jnp.where(local.active > 0, new, old),
@@ -161,22 +189,29 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def server_update(server, outputs, info):
         ids = info.client_ids
-        # A slot of weight 0 holds no report.
-        sent = (info.weights > 0).astype(jnp.float32)
-        return server._replace(
-            protos=server.protos.at[ids].set(outputs["protos"]),
-            has=server.has.at[ids].set(outputs["has"] * sent[:, None]),
-            reported=jnp.zeros_like(server.reported).at[ids].set(sent),
-            round=server.round + 1)
+        # A slot of weight 0 holds no report: its client's entry stays as it was.
+        sent = info.weights > 0
+        has = outputs["has"] * sent[:, None]
+        g, g_present = global_prototypes(outputs["protos"], has)
+        protos = server.protos.at[ids].set(
+            jnp.where(sent[:, None, None], outputs["protos"], server.protos[ids]))
+        present = server.present.at[ids].set(
+            jnp.where(sent[:, None], has, server.present[ids]))
+        protos, present = pad_with_global(protos, present, g, g_present)
+        return server._replace(protos=protos, present=present, global_protos=g,
+                               global_present=g_present, round=server.round + 1)
 
     eval_variables = server_model
 
     def personal_variables(server, client_state):
-        del server
         variables = client_state["variables"]
         params = dict(variables["params"])
-        protos, has = client_state["protos"], client_state["has"]
-        head = {"kernel": protos.T, "bias": jnp.where(has > 0, 0.0, NEVER)}
+        has = client_state["has"]
+        # Its own prototypes, padded with G (PFLlib scores the padded set).
+        protos, present = pad_with_global(client_state["protos"][None], has[None],
+                                          server.global_protos, server.global_present)
+        protos, present = protos[0], present[0]
+        head = {"kernel": protos.T, "bias": jnp.where(present > 0, 0.0, NEVER)}
         anything = jnp.sum(has) > 0  # before its first report: its own head
         params[HEAD] = jax.tree_util.tree_map(lambda p, own: jnp.where(anything, p, own),
                                               head, params[HEAD])
@@ -184,9 +219,9 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def download_bytes(server, client_ids, round_index):
         del client_ids, round_index
-        # The global prototypes and the set's: one (C, D) + (C,) each.
-        one = tree_bytes((server.protos[0], server.has[0]))
-        return (1 + jnp.sum(server.reported).astype(jnp.int32)) * one
+        # G and the whole padded set S (K entries), each (C, D) + its (C,) mask.
+        return tree_bytes((server.global_protos, server.global_present, server.protos,
+                           server.present))
 
     return FederatedAlgorithm(
         server_init, client_state_init, client_init, client_step, client_output,
@@ -207,5 +242,18 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   tau=cfg.fedpcl.tau)
 
 
+REFERENCE = Reference(
+    "Tan et al., 'Federated Learning from Pre-Trained Models: A Contrastive Learning "
+    "Approach', NeurIPS 2022 (FedPCL: global and personalised prototype contrast)",
+    pfllib("servers/serverpcl.py", "clients/clientpcl.py"),
+    ("prototype column j is class j, as the paper's loss has it (PFLlib stacks them in the "
+     "order classes first appear in a shuffled loader)",
+     "own-prototype padding at scoring uses the current global prototypes, not those of "
+     "the round the client reported (equal under full participation)",
+     "the whole network trains from initialisation: no pre-trained frozen backbone here",
+     "a class missing from a prototype set is masked out (PFLlib's torch.stack fails on it)",
+     "a never-reported client is scored by its own initial head (PFLlib counts it as 0 "
+     "correct)"))
+
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_collect_share,
-                       heterogeneous=True)
+                       heterogeneous=True, reference=REFERENCE)

@@ -34,6 +34,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, own_model
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -128,4 +129,17 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   lam=cfg.fedphp.lam)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Li et al., 'FedPHP: Federated Personalization with Inherited Private Models', ECML "
+    "PKDD 2021 (the HPM moving average w_p <- (1 - mu_r) w + mu_r w_p, mu_r = mu r / R, "
+    "and the (1 - lambda) CE + lambda MMD local loss)",
+    pfllib("servers/serverphp.py", "clients/clientphp.py"),
+    ("a client is evaluated on its HPM (the paper's inference model); PFLlib scores the "
+     "model it has just trained (the global model for a client not sampled)",
+     "the HPM average covers every variable, BatchNorm statistics too; PFLlib's covers "
+     "the parameters only",
+     "defaults mu = 0.9, lambda = 0.5; PFLlib's (mu = 0, lambda = 1) make the HPM a copy "
+     "of the trained model and drop the supervised term"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
+                       reference=REFERENCE)

@@ -13,18 +13,24 @@ N_j the clients that hold class j. A client trains on
 class without a global prototype contribute 0, as PFLlib's `proto_new[i] = rep[i]`), then
 reports its class means. As PFLlib's serverproto.py, the global prototypes are those the
 round's clients report (a class nobody reports drops out), averaged over the clients that
-hold the class (weights 'num_examples': weighted by their sizes). As PFLlib's
-clientproto.py, the class means come from the trained model in one pass over the
-client's data without training: here the last round(share x steps) local steps of the
-round (`fedproto.collect_epochs` out of `local.epochs`, 1.0: one pass). A client is scored
-by its nearest global prototype (PFLlib's test: argmin_j MSE(f(x), C_j)), which is the
-client's network with its head replaced by kernel 2 C^T and bias -||C_j||^2 (classes
-without a prototype never chosen); before any prototype exists, by its own head.
+hold the class (weighted by `aggregation.weights`: 'uniform' is PFLlib's plain mean over
+them, 'num_examples' weights them by their sizes). As PFLlib's clientproto.py, the class
+means are collected while the client trains: f(x) of the training forward pass (train
+mode, the parameters before that batch's step), over every batch of every local epoch of
+the round, a mean over all of them (an example seen in E epochs counts E times), with no
+separate pass. A client is scored by its nearest global prototype (PFLlib's test:
+argmin_j MSE(f(x), C_j)), which is the client's network with its head replaced by kernel
+2 C^T and bias -||C_j||^2 (classes without a prototype never chosen); before any
+prototype exists, by its own head.
 
 Outputs depend only on the classes and the representation's width, so clients may run
 networks of several architectures (`model.architectures`, `engine.groups.Groups`) whose
 representations are equally wide. The global evaluation shows this network's initial
 model; each client downloads the prototypes.
+
+Departures from PFLlib: its training loader drops each epoch's last partial batch
+(`drop_last=True`), whose examples then neither train nor count in the class means; here
+every example does (the engine's batches are masked, never dropped).
 """
 
 from __future__ import annotations
@@ -42,11 +48,13 @@ from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, serv
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.rules import between
+from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
-OPTIONS = {"lam": 1.0, "collect_epochs": 1.0}
-RULES = {"lam": between(0, 1e4), "collect_epochs": between(0, 1000, lo_open=True)}
+OPTIONS = {"lam": 1.0}
+RULES = {"lam": between(0, 1e4)}
 NEVER = -1e9  # a prototype-less class's logit: never the nearest
+SUMS, COUNTS = "class_feature_sums", "class_counts"  # carried out of a step, not logged
 
 
 class ProtoServer(NamedTuple):
@@ -59,8 +67,7 @@ class ProtoServer(NamedTuple):
 
 class ProtoLocal(NamedTuple):
     train: local_lib.LocalState
-    collect_from: jax.Array  # the first step of the pass collecting class means
-    sums: jax.Array  # (C, D) sums of f(x) by class over the pass
+    sums: jax.Array  # (C, D) sums of f(x) by class over the round's training batches
     counts: jax.Array  # (C,)
 
 
@@ -82,7 +89,7 @@ def class_sums(features: jax.Array, labels: jax.Array, mask: jax.Array, num_clas
 
 def collecting_step(net: Any, local: Any, batch: Any, transform: Any = None,
                     metrics: Any = ("loss_sum", "num_examples")) -> tuple:
-    """A step of a pass collecting class means (FedProto, FedGH, FedPCL): `local`'s
+    """A step of a pass collecting class means (FedGH, FedPCL): `local`'s
     `sums` and `counts` take the batch's features under its model (through `transform`),
     nothing trains, its step is counted; the step's `metrics` are 0 (the pass adds no
     training loss)."""
@@ -104,14 +111,12 @@ def nearest_prototype_head(protos: jax.Array, present: jax.Array) -> dict:
     return {"kernel": 2.0 * protos.T, "bias": bias}
 
 
-def fedproto(model: nn.Module, client_tx: optax.GradientTransformation,
-             collect_share: float, *, lam: float = 1.0) -> FederatedAlgorithm:
-    """FedProto for a `model` that sows its 'features' and ends in one linear head; the
-    last round(collect_share x steps) local steps collect the class means."""
+def fedproto(model: nn.Module, client_tx: optax.GradientTransformation, *,
+             lam: float = 1.0) -> FederatedAlgorithm:
+    """FedProto for a `model` that sows its 'features' and ends in one linear head; its
+    training steps collect the class means."""
     if lam < 0:
         raise ValueError(f"FedProto needs lam >= 0, got {lam}")
-    local_lib.check_share(collect_share, "FedProto's share of local steps collecting "
-                                         "prototypes")
     net = _WithFeatures(model)
 
     def ce(outputs, labels, mask):
@@ -127,29 +132,24 @@ def fedproto(model: nn.Module, client_tx: optax.GradientTransformation,
         return {"params": server.params, **server.model_state}
 
     def client_init(server, client_state, ctx):
-        steps = jnp.asarray(ctx.num_steps, jnp.int32)
         return ProtoLocal(local_lib.init_local(client_tx, client_state, ctx.round),
-                          steps - local_lib.phase_steps(collect_share, ctx.num_steps),
                           jnp.zeros_like(server.protos), jnp.zeros_like(server.present))
 
-    def train_step(local, batch, server):
+    def client_step(local, batch, server):
         def regulariser(params, train, batch, outputs):
             del params, train
-            term = proto_loss(outputs[1], batch["y"], batch["mask"], server.protos,
-                              server.present)
-            return lam * term, {"proto_sum": term * jnp.sum(batch["mask"])}
+            z = outputs[1].reshape(outputs[1].shape[0], -1)
+            term = proto_loss(z, batch["y"], batch["mask"], server.protos, server.present)
+            # The batch's features by class, as PFLlib's clientproto.py records them in
+            # its training loop (carried out of the step, not logged).
+            sums, counts = class_sums(jax.lax.stop_gradient(z).astype(jnp.float32),
+                                      batch["y"], batch["mask"], local.sums.shape[0])
+            return lam * term, {"proto_sum": term * jnp.sum(batch["mask"]), SUMS: sums,
+                                COUNTS: counts}
         train, metrics = local_lib.sgd_step(net, client_tx, local.train, batch,
                                             extra_loss=regulariser, loss=ce)
-        return local._replace(train=train), metrics
-
-    def collect_step(local, batch, server):
-        del server
-        return collecting_step(net, local, batch,
-                               metrics=("loss_sum", "num_examples", "proto_sum"))
-
-    def client_step(local, batch, server):
-        return jax.lax.cond(local.train.step < local.collect_from, train_step, collect_step,
-                            local, batch, server)
+        sums, counts = metrics.pop(SUMS), metrics.pop(COUNTS)
+        return ProtoLocal(train, local.sums + sums, local.counts + counts), metrics
 
     def client_output(local, server):
         del server
@@ -185,16 +185,19 @@ def fedproto(model: nn.Module, client_tx: optax.GradientTransformation,
                               download_bytes=download_bytes)
 
 
-def _collect_share(cfg: Any) -> float:
-    return local_lib.share_of_steps(cfg.fedproto.collect_epochs, cfg.local.epochs,
-                                    "fedproto.collect_epochs", "the prototype pass is")
-
-
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     del server_tx  # no model is averaged
-    return fedproto(model, client_tx, _collect_share(cfg), lam=cfg.fedproto.lam)
+    return fedproto(model, client_tx, lam=cfg.fedproto.lam)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_collect_share,
-                       heterogeneous=True)
+REFERENCE = Reference(
+    "Tan et al., 'FedProto: Federated Prototype Learning across Heterogeneous Clients', "
+    "AAAI 2022 (Alg. 1, Eq. 4-8)", pfllib("servers/serverproto.py", "clients/clientproto.py"),
+    ("the last partial batch of an epoch is masked, not dropped (PFLlib's drop_last=True): "
+     "every example trains and counts in its class mean",
+     "prototypes are averaged by `aggregation.weights`: uniform (the default) is PFLlib's "
+     "plain mean, num_examples is the paper's |D_i|-weighted one"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, heterogeneous=True,
+                       reference=REFERENCE)

@@ -21,12 +21,26 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between, one_of
 
 PyTree = Any
 DISTANCES = ("l2", "huber")
 OPTIONS = {"mu": 0.01, "distance": "l2"}
 RULES = {"mu": between(0, 1e4), "distance": one_of(DISTANCES)}
+
+REFERENCE = Reference(
+    "Li et al., 'Federated Optimization in Heterogeneous Networks', MLSys 2020 (FedProx, "
+    "Alg. 2: local objective F_k(w) + mu/2 ||w - w^t||^2)",
+    pfllib("servers/serverprox.py", "clients/clientprox.py"),
+    ("the proximal gradient passes through the configured client optimiser (momentum, "
+     "weight decay, clipping, warm-up); PFLlib's PerturbedGradientDescent adds mu (w - w^t) "
+     "to plain SGD's gradient",
+     "distance='huber' (mu * sum smooth-L1(w - w^t)) is the PAN authors' code's variant, "
+     "which this module's docstring follows (that code is not pinned here); the default "
+     "'l2' is the paper's",
+     "every client runs its full local work (no stragglers' partial solutions, the "
+     "paper's gamma-inexactness)"))
 
 
 def proximal_term(params: PyTree, anchor: PyTree, mu: float, distance: str) -> jax.Array:
@@ -64,4 +78,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                    distance=cfg.fedprox.distance, bn=cfg.aggregation.bn)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, reference=REFERENCE)

@@ -21,11 +21,25 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms import personal
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
 OPTIONS = {"head_epochs": 1.0}
 RULES = {"head_epochs": between(0, 1000, lo_open=True)}
+
+REFERENCE = Reference(
+    "Collins et al., 'Exploiting Shared Representations for Personalized Federated "
+    "Learning', ICML 2021 (FedRep, Alg. 1: head updates with the body fixed, then body "
+    "updates with the head fixed; the body averaged)",
+    pfllib("servers/serverrep.py", "clients/clientrep.py"),
+    ("both phases come out of the round's local work (head_epochs of local.epochs); "
+     "PFLlib runs plocal_epochs of head training on top of local_epochs of body training "
+     "(E = 2, head_epochs = 1 is PFLlib's default 1 + 1)",
+     "each phase's optimiser state is fresh every round (PFLlib keeps its two optimisers, "
+     "plain SGD without state, across rounds)",
+     "aggregation weights are uniform by default; PFLlib weights the bodies by training "
+     "samples (aggregation.weights='num_examples')"))
 
 
 class RepLocal(NamedTuple):
@@ -90,4 +104,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedrep(model, client_tx, share, server_tx)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_head_share)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_head_share,
+                      reference=REFERENCE)

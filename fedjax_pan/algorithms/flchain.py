@@ -39,6 +39,16 @@ validators' links and time (bandwidth / channels, message_seconds x channels eac
 Alg. 1's loop `while ||w(t) - w(t-1)|| > epsilon` (the slide's inequality inverted): a
 channel whose committed model moved by <= `epsilon` has converged and stops (epsilon 0:
 only a model that did not move).
+
+Keys and the anchor (`fedjax_pan.ledger`'s docstring has the formats): every validator's
+and device's Ed25519 key is drawn from the OS's entropy when a run starts, never from the
+seed, and kept in `<workdir>/keys/keys.json` (folder 0700, file 0600; a run without a
+workdir keeps them in memory); a resumed run loads them there and refuses to resume
+without them, or with keys its ledger's genesis did not register. The keys only sign: the
+training, the sampling and every model are the seed's alone. At the end of a run `report`
+puts the ledger's trust anchor (the validators' key fingerprint, each channel's head hash,
+its votes' digest and its height) into summary.json as `ledger_anchor`, and the command
+line prints it for its owner to keep outside the workdir.
 """
 
 from __future__ import annotations
@@ -55,12 +65,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedjax_pan import distributed
 from fedjax_pan import ledger as ledger_lib
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, tree_bytes
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.engine.services import Services, SimState
 from fedjax_pan.errors import ConfigError
+from fedjax_pan.references import Reference
 from fedjax_pan.rules import between, one_of
 
 PyTree = Any
@@ -225,9 +237,8 @@ class FLChain:
             rule["optimizer"], rule["lr"], rule["momentum"]), bn=bn)._replace(aggregator=_EACH)
         k = services.num_clients
         self.channel_of = select_channels(k, self.num_channels, self.o["selection"], seed)
-        self._device_keys: Dict[int, Any] = {}
-        self.validator_keys = [ledger_lib.signing_key(seed, "validator", v)
-                               for v in range(self.n)]
+        # Drawn from the OS (or loaded on resume) by `attach`, or by `init` without a workdir.
+        self.keys: Optional[ledger_lib.Keys] = None
         self.num_classes, self.backdoor_target = num_classes, backdoor_target
         self.ledger: Optional[ledger_lib.Ledger] = None
         self._heads: Dict[int, Dict[str, Any]] = {}
@@ -237,20 +248,69 @@ class FLChain:
     # --- the ledger's place ------------------------------------------------------------
 
     def attach(self, workdir: str, resume: bool) -> None:
-        """Keeps the ledger in `workdir/ledger`; a resumed run's ledger must verify."""
+        """Keeps the ledger in `workdir/ledger` and the keys in `workdir/keys/` (fresh from
+        the OS; a resumed run's, loaded, and its ledger must verify)."""
         root = os.path.join(workdir, "ledger")
-        if resume and os.path.isdir(root):
-            try:
-                ledger_lib.verify(workdir)
-            except ledger_lib.LedgerError as e:
-                raise ConfigError(f"cannot resume {workdir!r}: its ledger does not verify: "
-                                  f"{e}") from None
+
+        def keys() -> Dict[str, Any]:
+            """(process 0) The run's keys, as JSON (every process signs with them)."""
+            path = ledger_lib.keys_path(workdir)
+            if resume and ledger_lib.Ledger(root).channels():
+                if not os.path.isfile(path):
+                    raise ConfigError(
+                        f"cannot resume {workdir!r}: its ledger's private keys {path} are "
+                        f"missing, and without them no validator or device can sign another "
+                        f"block (restore the file, or start over with --overwrite)")
+                try:
+                    ledger_lib.verify(workdir)
+                except ledger_lib.LedgerError as e:
+                    raise ConfigError(f"cannot resume {workdir!r}: its ledger does not "
+                                      f"verify: {e}") from None
+                found = self._load_keys(workdir, path)
+                self._check_keys(root, found, workdir, path)
+            elif resume and os.path.isfile(path):  # cut short before its genesis was written
+                found = self._load_keys(workdir, path)
+            else:
+                found = ledger_lib.Keys.generate(self.n, self.services.num_clients)
+                with workdir_lib.writing(f"the ledger's keys in {path}", _KEPT):
+                    found.save(workdir)
+            return found.to_json()
+
+        self.keys = ledger_lib.Keys.from_json(distributed.on_primary(keys, "the ledger's keys"))
         self.ledger = ledger_lib.Ledger(root)
 
+    def _load_keys(self, workdir: str, path: str) -> ledger_lib.Keys:
+        try:
+            found = ledger_lib.Keys.load(workdir)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot resume {workdir!r}: its keys {path} cannot be read "
+                              f"({e})") from None
+        if (len(found.validators), len(found.devices)) != (self.n, self.services.num_clients):
+            raise ConfigError(f"cannot resume {workdir!r}: {path} holds {len(found.validators)} "
+                              f"validators' and {len(found.devices)} devices' keys, the run "
+                              f"{self.n} and {self.services.num_clients}")
+        return found
+
+    def _check_keys(self, root: str, found: ledger_lib.Keys, workdir: str, path: str) -> None:
+        """The keys `found` are those each channel's genesis registered."""
+        validators = [ledger_lib.public_hex(k) for k in found.validators]
+        devices = [ledger_lib.public_hex(k) for k in found.devices]
+        store = ledger_lib.Ledger(root)
+        for j in store.channels():
+            genesis = store.read(j, 0)
+            registered = {tx["device"]: tx["public_key"] for tx in genesis["transactions"]}
+            if genesis["header"]["validators"] != validators or any(
+                    not 0 <= i < len(devices) or devices[i] != key
+                    for i, key in registered.items()):
+                raise ConfigError(f"cannot resume {workdir!r}: the keys in {path} are not "
+                                  f"those the genesis block of channel {j} registered")
+
     def device_key(self, i: int) -> Any:
-        if i not in self._device_keys:
-            self._device_keys[i] = ledger_lib.signing_key(self.seed, "device", i)
-        return self._device_keys[i]
+        return self.keys.devices[i]
+
+    @property
+    def validator_keys(self) -> List[Any]:
+        return self.keys.validators
 
     def devices(self, channel: int) -> np.ndarray:
         return np.flatnonzero(self.channel_of == channel)
@@ -259,6 +319,8 @@ class FLChain:
         if self.ledger is None:  # no workdir (a notebook): a ledger deleted with the driver
             self._tmp = tempfile.TemporaryDirectory(prefix="fedjax_pan_flchain_")
             self.ledger = ledger_lib.Ledger(os.path.join(self._tmp.name, "ledger"))
+        if self.keys is None:  # no workdir: keys that live as long as the driver
+            self.keys = ledger_lib.Keys.generate(self.n, self.services.num_clients)
         with workdir_lib.writing(f"the ledger in {self.ledger.root}", _KEPT):
             return self._genesis(variables)
 
@@ -271,8 +333,8 @@ class FLChain:
         for j in range(self.num_channels):
             txs = [ledger_lib.registration(self.device_key(int(i)), j, int(i))
                    for i in self.devices(j)]
-            header = {"channel": j, "height": 0, "round": -1,
-                      "prev_hash": ledger_lib.GENESIS_PREV,
+            header = {"format": ledger_lib.LEDGER_FORMAT, "channel": j, "height": 0,
+                      "round": -1, "prev_hash": ledger_lib.GENESIS_PREV,
                       "tx_root": ledger_lib.merkle_root([ledger_lib.canonical(t) for t in txs]),
                       "state_root": root, "model": digest, "rule": self.rule.rule,
                       "validators": [ledger_lib.public_hex(key) for key in self.validator_keys],
@@ -302,6 +364,14 @@ class FLChain:
                                   f"not hold the checkpoint's global model")
             self._heads[j] = head
         return head
+
+    def report(self, state: SimState) -> Dict[str, Any]:
+        """What the run's summary records: the ledger's trust anchor at `state`'s heads."""
+        heights = np.asarray(state.server["height"])
+        heads = {j: self._head(j, int(heights[j]), state.server["channels"][j])
+                 for j in range(self.num_channels)}
+        return {"ledger_anchor": ledger_lib.anchor(
+            heads, [ledger_lib.public_hex(k) for k in self.validator_keys])}
 
     # --- the engine's contract ---------------------------------------------------------
 
@@ -414,7 +484,8 @@ class FLChain:
         def check(block):
             """Why an honest validator rejects `block` (None: it votes for it)."""
             h = block["header"]
-            if h["prev_hash"] != head["hash"] or h["height"] != head["header"]["height"] + 1:
+            if (h["prev_hash"] != head["hash"] or h["height"] != head["header"]["height"] + 1
+                    or h["prev_votes"] != ledger_lib.votes_digest(head["votes"])):
                 return "it does not extend the channel's head"
             for tx in block["transactions"]:
                 why = ledger_lib.check_transaction(tx, j, t, keys)
@@ -440,6 +511,7 @@ class FLChain:
                                                      bad, proposer)
             header = {"channel": j, "height": head["header"]["height"] + 1, "round": t,
                       "prev_hash": head["hash"],
+                      "prev_votes": ledger_lib.votes_digest(head["votes"]),
                       "tx_root": ledger_lib.merkle_root([ledger_lib.canonical(x) for x in txs]),
                       "state_root": root, "model": ledger_lib.sha256(model),
                       "proposer": proposer,
@@ -553,4 +625,26 @@ def _check(cfg: Any) -> None:
                          f"one global model, statistics included (set aggregation.bn='mean')")
 
 
-ENTRY = AlgorithmEntry(_no_round, OPTIONS, RULES, driver=from_config, check=_check)
+REFERENCE = Reference(
+    "Majeed & Hong, 'FLchain: Federated Learning via MEC-enabled Blockchain Network', "
+    "APNOMS 2019; slides 001, Algorithm 1 (channels, registration, Eq. 7)", None,
+    ("consensus is PBFT-style (quorum ceil((n + f + 1) / 2), rotating proposer, a view "
+     "change after `timeout`): the paper leaves the protocol open",
+     "validators recompute Eq. 7 from the stored updates before they vote: the paper does "
+     "not say what validation checks, and this is what makes a tampered model detectable",
+     "the state trie is an RFC 6962 Merkle tree over the model's leaves in path order, not "
+     "a Patricia trie: it locates a changed layer and is simpler",
+     "Eq. 7's weights |D_i| are `aggregation.weights='num_examples'`; the default 'uniform' "
+     "counts each device 1; the update goes through FedAvg's server optimiser (sgd(1), "
+     "the default, is Eq. 7 itself)",
+     "the stopping rule's '<=' is read as the loop's exit condition (as printed, the loop "
+     "would never run)",
+     "channel selection is `least_loaded` or `random` (the paper leaves the policy open)",
+     "latency is simulated (links, PBFT phases, timeouts), not a MEC network",
+     "all keys are kept by one process (WORKDIR/keys), where a permissioned chain gives "
+     "each party its own: the run's anchor outside the ledger is the root of trust",
+     "faulty validators and tampering modes, the anchor, chained votes and the ledger "
+     "format are this simulator's additions (tests of the audit), not the paper's"))
+
+ENTRY = AlgorithmEntry(_no_round, OPTIONS, RULES, driver=from_config, check=_check,
+                       reference=REFERENCE)

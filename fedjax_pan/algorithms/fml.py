@@ -51,6 +51,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
                                         server_model, tree_bytes)
 from fedjax_pan.algorithms.personal import HEAD
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
 PyTree = Any
@@ -244,5 +245,21 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                seed=cfg.seed)
 
 
+REFERENCE = Reference(
+    "Shen et al., 'Federated Mutual Learning', arXiv:2006.16765, 2020 (deep mutual "
+    "learning of the private and meme models, L_p and L_m, and FedAvg on the meme)",
+    pfllib("servers/serverfml.py", "clients/clientfml.py"),
+    ("the meme's architecture is the option fml.meme (default mlp(hidden=(200,))) "
+     "initialised from the seed's folded key; PFLlib's meme is a copy of the global model, "
+     "which under heterogeneous clients has no single architecture",
+     "the server averages the memes with the configured aggregation weights (PFLlib's "
+     "uniform 1/M is aggregation.weights='uniform', the default)",
+     "the meme's BatchNorm statistics are averaged with it; PFLlib's aggregate keeps the "
+     "first uploaded meme's",
+     "defaults alpha = 1, beta = 0, KL 'elements' and undetached targets are PFLlib's; "
+     "the paper's are alpha = beta = 0.5 with per-example KL and detached targets "
+     "(fml.kl_mean='examples', fml.detach=True)"))
+
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, heterogeneous=True,
-                       input_shape=True)
+                       input_shape=True,
+                       reference=REFERENCE)

@@ -54,6 +54,7 @@ from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_
 from fedjax_pan.algorithms.fedcp import LN_EPS
 from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -281,4 +282,20 @@ def driver(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
     return one_group("GPFL", GNet(model), model, cfg, client_tx, services, from_config)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=driver, personal=True)
+REFERENCE = Reference(
+    "Zhang et al., 'GPFL: Simultaneously Learning Global and "
+    "Personalized Feature Information for Personalized Federated Learning', ICCV 2023 "
+    "(Algorithm 1: the Conditional Valve over the GCE's generic and personalised inputs, "
+    "the personal CE + the GCE's angle-level loss + lambda times the alignment norm)",
+    pfllib("servers/servergpfl.py", "clients/clientgpfl.py"),
+    ("the GCE and CoV step with client_tx (plus weight decay mu); PFLlib steps them with "
+     "plain SGD at the client learning rate",
+     "the personal conditional input of a client that has never trained is 0 (its label "
+     "histogram is known only once it takes part); PFLlib reads every client's at start-up",
+     "BatchNorm statistics are averaged with the extractor; PFLlib aggregates and sends "
+     "parameters only",
+     "runs through a one-group Groups driver evaluating GNet: settings that need the "
+     "compiled Simulation, and model.architectures, are refused"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=driver, personal=True,
+                       reference=REFERENCE)

@@ -62,6 +62,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, RoundInfo,
                                         every_output, own_model, server_model, weighted_sum)
 from fedjax_pan.engine.services import Services, SimState
+from fedjax_pan.references import Reference
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
 PyTree = Any
@@ -86,6 +87,22 @@ RULES = {"temperature": between(0.01, 100), "lam": between(0, 1e4), "rho": betwe
          "simplex": Rule(boolean), "coef_update": one_of(COEF_UPDATES),
          "architectures": Rule(models.specs_error), "order": one_of(ORDERS)}
 EPS = 1e-12  # inside logs of probabilities
+
+REFERENCE = Reference(
+    "Zhang et al., 'Parameterized Knowledge Transfer for Personalized Federated Learning', "
+    "NeurIPS 2021 (KT-pFL, Alg. 1; Eq. 7's step on the knowledge coefficient matrix c)",
+    None,
+    ("each column of c is projected onto the probability simplex after every step "
+     "(simplex=True, the default): the paper's unconstrained step (simplex=False) drives "
+     "entries negative and the targets' logs NaN",
+     "coef_update='authors' steps c as the authors' released code does (MSE gradient, "
+     "rescaled rate, softmax of 5 c), as the module docstring says; that code is not "
+     "pinned here. The default 'kl' is Eq. 7",
+     "the distillation is the last distill_share of the round's local steps (out of "
+     "local.epochs), each on a public batch drawn with replacement; the distillation loss "
+     "is T^2 KL(target || s(w, x))",
+     "order='lagged' (not the default) mixes targets from the previous round's predictions, "
+     "so that a round is one compiled function"))
 PUBLIC_SIZE = 1000  # unlabelled public examples held out by default
 
 
@@ -576,4 +593,5 @@ def mixed_from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTrans
 
 # PUBLIC_SIZE examples held out as the public set unless dataset.public_size says otherwise.
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=mixed_from_config,
-                       public=PUBLIC_SIZE, personal=True, check=_distill_share)
+                       public=PUBLIC_SIZE, personal=True, check=_distill_share,
+                       reference=REFERENCE)

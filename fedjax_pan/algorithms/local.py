@@ -19,7 +19,9 @@ import optax
 from flax import struct
 
 PyTree = Any
-WARMUPS = ("none", "steps", "rounds")
+# 'halving' is a decay, not a warm-up: the rate halves every `warmup_length` rounds (the
+# SageFlow authors' `lrdecay`).
+WARMUPS = ("none", "steps", "rounds", "halving")
 
 
 class LocalState(NamedTuple):
@@ -43,6 +45,8 @@ class WarmupState:
 
     def factor(self) -> jax.Array:
         """The learning-rate factor of the next update."""
+        if self.kind == "halving":
+            return (0.5 ** (self.round // self.length)).astype(jnp.float32)
         if self.kind == "rounds":
             return jnp.minimum((self.round + 1) / self.length, 1.0).astype(jnp.float32)
         return jnp.minimum((self.count + 1) / self.length, 1.0)

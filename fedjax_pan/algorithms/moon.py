@@ -39,12 +39,22 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.models import layers
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
 OPTIONS = {"mu": 1.0, "tau": 0.5}
 # Similarities are divided by tau in float32: a tiny tau rounds to 0 there (NaN losses).
 RULES = {"mu": between(0, 1e4), "tau": between(0.01, 100)}
+REFERENCE = Reference(
+    "Li, He, Song, 'Model-Contrastive Federated Learning', CVPR 2021 (MOON, Alg. 1; "
+    "Eq. 3 model-contrastive loss, Eq. 4 local objective)",
+    pfllib("servers/servermoon.py", "clients/clientmoon.py"),
+    ("no projection head: R is the classifier's input (the sown 'features'), as PFLlib's "
+     "model.base; the paper adds a 2-layer projection head",
+     "the global and previous models run in eval mode with the server's BatchNorm "
+     "statistics; PFLlib runs both copies in train mode (batch statistics)",
+     "l_con is averaged over the batch's real examples only (padded rows masked)"))
 FEATURES = "features" + layers.SOW_SUFFIX  # the representation's key in 'intermediates'
 
 
@@ -180,7 +190,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                 bn=cfg.aggregation.bn)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, reference=REFERENCE)
 
 __all__ = ["moon", "contrastive_loss", "cosine_similarity", "state_bytes", "ClientState",
            "MoonLocal", "OPTIONS", "RULES", "ENTRY"]

@@ -58,6 +58,7 @@ from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference
 from fedjax_pan.rules import between, one_of
 
 PyTree = Any
@@ -228,4 +229,20 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                       temperature=o.temperature)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_strategy_share)
+REFERENCE = Reference(
+    "Sun, Huo, Yang, Bai, 'PartialFed: Cross-Domain Personalized Federated Learning via "
+    "Partial Initialization', NeurIPS 2021 (the layer-wise initialisation theta^c_t[l] = "
+    "A[l] theta^g_t[l] + (1 - A[l]) theta^c_{t-1}[l]; PartialFed-Fix and -Adaptive)", None,
+    ("the paper's method section was not consulted: PartialFed-Adaptive's relaxation (a "
+     "logit per layer, binary Gumbel-softmax with the straight-through estimator), its "
+     "rate, temperature and zero start are this module's choices; no reference code (PFLlib "
+     "has no PartialFed)",
+     "the strategy steps are the first share of the round's local work "
+     "(strategy_epochs out of local.epochs)",
+     "layers are the model's top-level parameter scopes in call order, a normalisation "
+     "layer one of its own; Fix's default loads all but the classifier",
+     "a client that has never trained takes the global model and leaves its logits as "
+     "they are"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_strategy_share,
+                      reference=REFERENCE)

@@ -29,12 +29,25 @@ from ml_collections.config_dict import placeholder
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, no_client_state
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"beta": placeholder(float), "hessian_free": False}
 RULES = {"beta": between(0, 100, lo_open=True, optional=True), "hessian_free": Rule(boolean)}
+
+REFERENCE = Reference(
+    "Fallah, Mokhtari, Ozdaglar, 'Personalized Federated Learning with Theoretical "
+    "Guarantees: A Model-Agnostic Meta-Learning Approach', NeurIPS 2020 (Per-FedAvg, Alg. 1, "
+    "first-order (FO) and Hessian-free (HF) variants)",
+    pfllib("servers/serverperavg.py", "clients/clientperavg.py"),
+    ("HF's Hessian-vector product is taken exactly (forward-over-reverse); the paper "
+     "approximates it by finite differences (PFLlib has the FO variant only)",
+     "D, D' (and D'') are the parts of one loaded batch of local.batch_size examples, "
+     "PFLlib's 2B split in halves; the paper draws them independently",
+     "aggregation weights are uniform by default; PFLlib weights by training samples "
+     "(aggregation.weights='num_examples')"))
 
 
 class PerAvgLocal(NamedTuple):
@@ -130,4 +143,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                      hessian_free=cfg.perfedavg.hessian_free, lr_schedule=client_tx)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

@@ -30,6 +30,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, server_model,
                                         tree_bytes)
 from fedjax_pan.algorithms.fedavg import ServerState
+from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 Path = Tuple[str, ...]
@@ -57,6 +58,36 @@ PERSONAL: Dict[str, Callable[[Path], bool]] = {
     "fedper": lambda path: path[0] == HEAD,
     "lg_fedavg": lambda path: path[0] != HEAD,
     "fedbn": _is_norm,
+}
+
+
+_WEIGHTS = ("aggregation weights are uniform by default; PFLlib weights the uploads by "
+            "training samples (aggregation.weights='num_examples')")
+# Each entry's reference (`fedjax_pan.fidelity`).
+REFERENCES: Dict[str, Reference] = {
+    "local": Reference(
+        "Local training alone, the baseline of the pFL literature (PFLlib's 'Local')",
+        pfllib("servers/serverlocal.py", "clients/clientavg.py"), ()),
+    "fedper": Reference(
+        "Arivazhagan et al., 'Federated Learning with Personalization Layers', arXiv 2019 "
+        "(FedPer: base layers averaged, personalization layers kept)",
+        pfllib("servers/serverper.py", "clients/clientper.py"),
+        ("the personalization layers are the output layer alone (the paper's K_P = 1, "
+         "PFLlib's model.head)", _WEIGHTS)),
+    "lg_fedavg": Reference(
+        "Liang et al., 'Think Locally, Act Globally: Federated Learning with Local and "
+        "Global Representations', arXiv 2020 (LG-FedAvg: local representation, global "
+        "head averaged)",
+        pfllib("servers/serverlg.py", "clients/clientlg.py"),
+        ("the global part is the output layer alone (PFLlib's model.head), every other "
+         "layer is local", _WEIGHTS)),
+    "fedbn": Reference(
+        "Li et al., 'FedBN: Federated Learning on Non-IID Features via Local Batch "
+        "Normalization', ICLR 2021 (Alg. 1: BN parameters and statistics stay local)",
+        pfllib("servers/serverbn.py", "clients/clientbn.py"),
+        ("every normalisation layer named '<layer>_norm' stays local (a GroupNorm or "
+         "LayerNorm too, where a model has one); the paper and PFLlib keep BatchNorm layers",
+         _WEIGHTS)),
 }
 
 
@@ -154,7 +185,8 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
 def _entry(name: str) -> AlgorithmEntry:
     return AlgorithmEntry(
         lambda model, cfg, client_tx, server_tx: partial_sharing(
-            model, client_tx, PERSONAL[name], server_tx), {}, {}, personal=True)
+            model, client_tx, PERSONAL[name], server_tx), {}, {}, personal=True,
+        reference=REFERENCES[name])
 
 
 ENTRIES = {name: _entry(name) for name in PERSONAL}

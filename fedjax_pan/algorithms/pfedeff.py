@@ -33,12 +33,26 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import DELTA_VIEW, ServerState, fedavg
 from fedjax_pan.engine.protocol import ModelView
+from fedjax_pan.references import Reference
 from fedjax_pan.rules import between
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"keep": 0.5, "lam": 0.5}
 RULES = {"keep": between(0, 1, lo_open=True), "lam": between(0, 1, hi_open=True)}
+
+REFERENCE = Reference(
+    "The pFedEff rows of paper 001's efficiency slides (PFLlib platform slides: "
+    "personalised model aggregation Theta_i <- l2 Theta_i + (1 - l2) M_i^p * sum_j k_j "
+    "(Theta_g - eta grad_j^u), upload mask grad^u = grad * M^u, download mask M^d); no "
+    "paper or code is cited there", None,
+    ("M_i^p is the support of the client's trained model pruned to `keep` of each layer by "
+     "magnitude: the slides name a post-training mask without saying how it is chosen",
+     "sum_j k_j (Theta_g - eta grad_j^u) is the server's model after FedAvg's step on the "
+     "masked updates, k_j the engine's aggregation weights; the update is the change over "
+     "the local steps, not one gradient step",
+     "the upload mask M^u is the configured compression.upload (e.g. top_k); a client's "
+     "first round uses the initial model unpruned (M^p all ones)"))
 
 
 def prune(params: PyTree, keep: float) -> PyTree:
@@ -127,6 +141,6 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                    keep=cfg.pfedeff.keep, lam=cfg.pfedeff.lam)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)
 
 __all__ = ["pfedeff", "prune", "personalised", "PfedeffServer", "OPTIONS", "RULES", "ENTRY"]

@@ -25,6 +25,7 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
 PyTree = Any
@@ -100,4 +101,14 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   personal_lr=o.personal_lr, beta=o.beta, mu=o.mu, lr_schedule=client_tx)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True)
+REFERENCE = Reference(
+    "Dinh, Tran, Nguyen, 'Personalized Federated Learning with Moreau Envelopes', NeurIPS "
+    "2020 (pFedMe, Alg. 1: K inner steps for theta, the local update of w, the server's "
+    "beta step)",
+    pfllib("servers/serverpFedMe.py", "clients/clientpFedMe.py"),
+    ("mu (the inner steps' weight decay) defaults to 0; PFLlib's pFedMeOptimizer always "
+     "uses its default mu = 0.001",
+     "aggregation weights are uniform by default; PFLlib weights by training samples "
+     "(aggregation.weights='num_examples')"))
+
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

@@ -42,7 +42,7 @@ from fedjax_pan.algorithms.fedkd import ENTRY as FEDKD
 from fedjax_pan.algorithms.fedgh import ENTRY as FEDGH
 from fedjax_pan.algorithms.fedpcl import ENTRY as FEDPCL
 from fedjax_pan.algorithms.fedgen import ENTRY as FEDGEN
-from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.algorithms.fedavg import REFERENCE as FEDAVG_REFERENCE, fedavg
 from fedjax_pan.algorithms.fedmtl import ENTRY as FEDMTL
 from fedjax_pan.algorithms.feddyn import ENTRY as FEDDYN
 from fedjax_pan.algorithms.fedma import ENTRY as FEDMA
@@ -64,10 +64,62 @@ from fedjax_pan import compression
 from fedjax_pan.algorithms import attacks, compressed, dp, local
 from fedjax_pan.engine import robust, staleness
 from fedjax_pan.engine.simulation import clients_per_round
+from fedjax_pan.references import SAGEFLOW, Reference
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
 AGGREGATION_RULES = ("mean", "median", "trimmed_mean", "multi_krum", "geometric_median",
                      "zeno", "sageflow", "fedasync")
+# Each rule's reference (`fedjax_pan.fidelity`).
+RULE_REFERENCES: Dict[str, Reference] = {
+    "mean": Reference(
+        "McMahan et al., AISTATS 2017 (FedAvg, Alg. 1: w <- sum_k n_k / n w_k)", None,
+        ("the default `aggregation.weights='uniform'` counts each client 1, as the PAN "
+         "authors' code (SPEC 3); 'num_examples' is the paper's n_k / n",)),
+    "median": Reference("Yin et al., ICML 2018 (coordinate-wise median, Alg. 1 option I)",
+                        None, ()),
+    "trimmed_mean": Reference(
+        "Yin et al., ICML 2018 (coordinate-wise beta-trimmed mean, Alg. 1 option II)", None,
+        ("floor(trim n) values cut at each end of the n present (the paper's beta n, "
+         "rounded down where beta n is not whole)",)),
+    "multi_krum": Reference(
+        "Blanchard et al., NeurIPS 2017 (Krum: score = sum of squared distances to the "
+        "n - f - 2 nearest); El Mhamdi et al., ICML 2018 (Multi-Krum: average the m best)",
+        None,
+        ("the m chosen are averaged with the round's weights renormalised (the paper's "
+         "plain mean, equal under the default uniform weights)",)),
+    "geometric_median": Reference(
+        "Pillutla et al., IEEE TSP 2022 (RFA: smoothed Weiszfeld, Alg. 2)", None,
+        ("maxiter 4, eps 1e-5, ftol 1e-6 are the defaults the module docstring attributes "
+         "to the authors' code, which is not pinned here",)),
+    "zeno": Reference(
+        "Xie et al., ICML 2019 (Zeno: score f_r(x) - f_r(x - gamma g_i) - rho gamma^2 "
+        "||g_i||^2, keep the n - b best)", None,
+        ("scores clients' models, x - gamma g_i read as the client's model x_i (FedAvg's "
+         "update standing for gamma g_i): the paper scores gradients of one SGD step",
+         "f_r is the loss over the whole held-out public set (`dataset.public_size`), not "
+         "a fresh mini-batch each round",
+         "the kept models are averaged with the round's weights renormalised (the paper's "
+         "plain mean, equal under the default uniform weights)")),
+    "sageflow": Reference(
+        "Park et al., 'Sageflow: Robust Federated Learning against Both Stragglers and "
+        "Adversaries', NeurIPS 2021 (entropy filter, loss-weighted averaging, "
+        "staleness-aware grouping, Alg. 1)",
+        SAGEFLOW + ": Sageflow_code/utils1.py (Eflow, Sag), Sageflow.py",
+        ("if every group is dropped the model stays (the authors' Sag divides by zero)",
+         "a dropped group gets weight 0 from round 0 (theirs only from round >= staleness)",
+         "`aggregation.weights='num_examples'` restores the paper's m_k, which the authors' "
+         "code drops (the default uniform weights equal their code)",
+         "clients train on all their data (the authors train on 80%)",
+         "the default protocol is this library's (a fixed attacker set, every delay drawn, "
+         "one federation for every defence); the `authors` preset of "
+         "configs/fmnist_robust.py and experiments/robustness.py follows theirs except "
+         "their 10-epoch backdoor attackers and round count")),
+    "fedasync": Reference(
+        "Xie et al., 'Asynchronous Federated Optimization', 2019 (FedAsync: x <- (1 - a_t) "
+        "x + a_t x_new, a_t = a s(t - tau), polynomial or hinge s)", None,
+        ("a round's arrivals are grouped by staleness and each group's mean is mixed in, "
+         "stalest first, not one model at a time: the simulator advances in rounds",)),
+}
 # Rules that score models on the server's labelled public set.
 PUBLIC_RULES = ("zeno", "sageflow")
 PUBLIC_DEFAULT = 1000  # SageFlow's public set (the authors' num_commondata)
@@ -91,7 +143,7 @@ def _fedavg(model, cfg, client_tx, server_tx):
 
 
 ALGORITHMS: Dict[str, AlgorithmEntry] = {
-    "fedavg": AlgorithmEntry(_fedavg, {}, {}),
+    "fedavg": AlgorithmEntry(_fedavg, {}, {}, reference=FEDAVG_REFERENCE),
     "fedprox": FEDPROX,
     "scaffold": SCAFFOLD,
     "moon": MOON,
@@ -158,7 +210,8 @@ def aggregator(rule: str, trim: float = 0.1, byzantine: int = 0,
     if rule == "sageflow":
         o = options.sageflow
         return staleness.sageflow(o.entropy_threshold, o.delta, o.lam,
-                                  o.gamma_period if late else 0, score)
+                                  o.gamma_period if late else 0, score,
+                                  o.get("min_weight", 1e-3))
     if rule == "fedasync":
         o = options.fedasync
         return staleness.fedasync(o.mixing, o.staleness, o.a, o.b)
@@ -237,7 +290,7 @@ def attack_from_config(algorithm: FederatedAlgorithm, cfg: Any, num_clients: int
         raise ValueError(f"attack.target must be a class below {num_classes}, got {a.target}")
     attack = attacks.Attack(a.kind, num_classes, scale, a.target, a.poisoned, a.start_round)
     return attacks.with_attack(algorithm, attack,
-                               attacks.draw_malicious(a.fraction, num_clients, cfg.seed))
+                               attacks.malicious_from_config(cfg, num_clients))
 
 
 def _transform(side: Any) -> Any:
@@ -245,10 +298,22 @@ def _transform(side: Any) -> Any:
                                  side.error_feedback, side.quantize_bits)
 
 
+SAMPLING_CHOICES = ("auto", "uniform", "poisson")
+
+
+def cohort_sampling(cfg: Any) -> str:
+    """The sampling `config.sampling` names; 'auto' is Poisson under DP-FedAvg (its
+    privacy analysis samples each client independently, `fedjax_pan.privacy`), else
+    uniform."""
+    if cfg.sampling == "auto":
+        return "poisson" if cfg.privacy.clip > 0 else "uniform"
+    return cfg.sampling
+
+
 def expected_clients(cfg: Any, num_clients: int) -> float:
     """Clients a round takes in expectation: R K under Poisson sampling, else the fixed
     cohort max(1, round(R K)) (DP-FedAvg's denominator)."""
-    if cfg.sampling == "poisson":
+    if cohort_sampling(cfg) == "poisson":
         return cfg.participation * num_clients
     return float(clients_per_round(cfg.participation, num_clients))
 

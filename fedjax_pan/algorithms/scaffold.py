@@ -45,12 +45,24 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
 from fedjax_pan.algorithms.fedavg import ServerState, fedavg
+from fedjax_pan.references import Reference
 from fedjax_pan.rules import between
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"server_lr": 1.0}
 RULES = {"server_lr": between(0, 100, lo_open=True)}
+
+REFERENCE = Reference(
+    "Karimireddy et al., 'SCAFFOLD: Stochastic Controlled Averaging for Federated "
+    "Learning', ICML 2020 (Alg. 1, option II for c_i+)", None,
+    ("the divisor K * eta_l of option II is the exact total step size A of the configured "
+     "client optimiser (heavy-ball momentum and warm-up accounted for); it equals K * eta_l "
+     "for the paper's plain SGD",
+     "weight decay enters c_i as part of the gradient; gradient clipping acts on the "
+     "corrected gradient g + c - c_i and is not accounted for in A",
+     "mean_S is the engine's weighted mean: the paper's plain mean under the default "
+     "uniform weights, the n_k-weighted mean with aggregation.weights='num_examples'"))
 
 
 class ScaffoldServer(NamedTuple):
@@ -163,7 +175,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                     server_lr=cfg.scaffold.server_lr, bn=cfg.aggregation.bn)
 
 
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, reference=REFERENCE)
 
 __all__ = ["scaffold", "step_size", "ScaffoldServer", "ClientState", "ScaffoldLocal",
            "OPTIONS", "RULES", "ENTRY"]

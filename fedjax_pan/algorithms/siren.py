@@ -6,7 +6,11 @@ the authors' 10%) and its model from its last round. When sampled again it score
 on that part and raises an alarm when its own model beats the global one by more than
 C_c of its own accuracy (acc_own > acc_global + C_c acc_own, C_c = 0.04); an alarming
 client trains on from its own model instead of the global one. It sends its update
-against the global model either way. (Malicious clients never alarm, as there.)
+against the global model either way. Malicious clients (`config.attack`, from its
+`start_round`) alarm in every round they attack, as the authors' `mal_agent_other` and
+`mal_agent_mp` do (`alarm=1` unconditionally), and train from the global model as theirs;
+`malicious_alarm='never'` makes them silent in every round instead (our earlier reading),
+which leaves the server's check idle in rounds where no honest client alarms.
 
 Server side, on its own held-out data (`dataset.public_size`, the authors' root set of
 100) scoring each client's model (global + update) by accuracy, with C_s = 0.1:
@@ -36,19 +40,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedjax_pan.algorithms import attacks
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
                                         tree_bytes)
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.engine.robust import public_scorer
 from fedjax_pan.engine.services import Services, SimState
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, one_of
+from fedjax_pan.references import SIREN as SIREN_CODE, Reference
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
-OPTIONS = {"client_c": 0.04, "server_c": 0.1, "prohibit": 0.45, "forgive": 0.5}
+MALICIOUS_ALARMS = ("always", "never")
+OPTIONS = {"client_c": 0.04, "server_c": 0.1, "prohibit": 0.45, "forgive": 0.5,
+           # Attackers raise an alarm every round ('always': the authors' code) or never.
+           "malicious_alarm": "always"}
 RULES = {"client_c": between(0, 1), "server_c": between(0, 1),
-         "prohibit": between(0, 1, lo_open=True), "forgive": between(0, 10)}
+         "prohibit": between(0, 1, lo_open=True), "forgive": between(0, 10),
+         "malicious_alarm": one_of(MALICIOUS_ALARMS)}
 ROOT_SIZE = 100  # the authors' server-side set
 
 
@@ -135,17 +145,18 @@ class Siren:
     """Siren's server logic as an `engine.protocol.Round` on the engine's `services`."""
 
     shapes_change = False
-    handles_attacks = True  # `config.attack`'s clients are among its own (never alarming)
+    handles_attacks = True  # `config.attack`'s clients are among its own
 
     def __init__(self, model: nn.Module, client_tx: optax.GradientTransformation,
                  services: Services, public: Any, public_labels: Any, client_evaluate: Any,
-                 malicious: np.ndarray, options: Dict[str, float], rounds: int,
-                 algorithm: FederatedAlgorithm):
+                 malicious: np.ndarray, options: Dict[str, Any], rounds: int,
+                 algorithm: FederatedAlgorithm, attack_start: int = 0):
         self.model, self.services = model, services
         self.num_sampled = services.num_sampled
         self.algorithm = algorithm  # `siren_clients`, with the config's attackers
         self.client_evaluate = client_evaluate
         self.malicious = np.asarray(malicious, bool)
+        self.attack_start = int(attack_start)
         self.o = dict(options)
         # Penalty points that bar a client (at least one, on runs shorter than 1 / prohibit).
         self.limit = max(1, int(self.o["prohibit"] * rounds))
@@ -172,9 +183,14 @@ class Siren:
     def personal_groups(self, state: SimState) -> None:
         return None
 
+    def attacking(self, t: int, ids: np.ndarray) -> np.ndarray:
+        """(M,) bool: which of the clients `ids` attack in round `t`."""
+        return attacks.attacking(self.malicious, t, ids) & (t >= self.attack_start)
+
     def alarms(self, state: SimState, ids: np.ndarray) -> np.ndarray:
-        """(M,) bool: the clients `ids` whose own last model beats the global one on their
-        test part by more than C_c of its accuracy (honest clients with a model only)."""
+        """(M,) bool: the clients `ids` that alarm. Honest ones (and attackers before they
+        start) with a model when their own last model beats the global one on their test
+        part by more than C_c of its accuracy; attackers as `malicious_alarm` says."""
         states = state.client_states
         had = np.asarray(jax.device_get(states["trained"]))[ids]
         own = tree_map(lambda x: x[ids], states["model"])
@@ -182,14 +198,19 @@ class Siren:
         glob = self.client_evaluate(self.algorithm.eval_variables(state.server.base))
         count = np.maximum(mine["count"][ids], 1.0)
         acc_own, acc_glob = mine["correct"][ids] / count, glob["correct"][ids] / count
-        return had & ~self.malicious[ids] & (acc_own > acc_glob + acc_own * self.o["client_c"])
+        honest = had & (acc_own > acc_glob + acc_own * self.o["client_c"])
+        if self.o["malicious_alarm"] == "never":
+            return honest & ~attacks.attacking(self.malicious, state.round, ids)
+        return honest | self.attacking(state.round, ids)
 
     def round(self, state: SimState) -> tuple:
         t, s = state.round, state.server
         ids = self.services.sample(t)
         alarm = self.alarms(state, ids)
         cohort_states = tree_map(lambda x: x[ids], state.client_states)
-        cohort_states = {**cohort_states, "alarm": jnp.asarray(alarm)}
+        # An alarming attacker still trains from the global model (the authors' agents).
+        cohort_states = {**cohort_states,
+                         "alarm": jnp.asarray(alarm & ~self.attacking(t, ids))}
         cohort = self.services.cohort(ids, t, cohort_states)
         result = self.services.train("siren", self.algorithm, self.algorithm.eval_variables(
             s.base), cohort, s.base)
@@ -259,17 +280,17 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                 services: Services, *, public: Any, public_labels: Any,
                 client_evaluate: Any) -> Siren:
     """The `Siren` driver `config.siren` describes, with `config.attack`'s attackers."""
-    from fedjax_pan.algorithms import attacks, registry
+    from fedjax_pan.algorithms import registry
     if client_evaluate is None:
         raise ValueError("siren's clients test on their own data: set "
                          "partition.test_fraction > 0 (the authors keep 10%)")
     k = services.num_clients
     classes = int(services.data.label_counts.shape[1])
     algorithm = registry.attack_from_config(siren_clients(model, client_tx), cfg, k, classes)
-    malicious = (attacks.draw_malicious(cfg.attack.fraction, k, cfg.seed)
-                 if cfg.attack.kind != "none" else np.zeros(k, bool))
+    malicious = attacks.malicious_from_config(cfg, k)
     return Siren(model, client_tx, services, public, public_labels, client_evaluate,
-                 malicious, cfg.siren.to_dict(), cfg.rounds, algorithm)
+                 malicious, cfg.siren.to_dict(), cfg.rounds, algorithm,
+                 attack_start=cfg.attack.start_round)
 
 
 def _check(cfg: Any) -> None:
@@ -280,6 +301,20 @@ def _check(cfg: Any) -> None:
                          f"{cfg.partition.test_fraction!r}")
 
 
+REFERENCE = Reference(
+    "Guo et al., 'Siren: Byzantine-robust Federated Learning via Proactive Alarming', "
+    "SoCC 2021 (client alarms, server detection, penalty and rollback)",
+    SIREN_CODE + ": agents.py, main.py, malicious_agent.py",
+    ("the clients' optimiser is the config's (the robustness experiment: SGD 0.01, "
+     "momentum 0.9), not the authors' default eta 1e-3",
+     "the server's per-client bookkeeping is indexed by client id, theirs by position in "
+     "the round (identical when every client takes part every round, as in their runs)",
+     "their `def_delay` (FedAvg for the first rounds) is not offered (their default is 0)",
+     "attackers alarm every round by default, as `malicious_agent.py`; "
+     "`siren.malicious_alarm='never'` keeps them silent, a stronger setting for Siren than "
+     "the authors'"))
+
 ENTRY = AlgorithmEntry(_no_round, OPTIONS, RULES, driver=from_config, public=ROOT_SIZE,
                        check=_check,
-                       driver_needs=("public_labels", "client_evaluate"))
+                       driver_needs=("public_labels", "client_evaluate"),
+                       reference=REFERENCE)

@@ -278,7 +278,8 @@ class Round(Protocol):
     of several networks, [(network, client ids, stacked variables)] per network, else None.
     `num_sampled`: clients a round; `shapes_change`: checkpoints restore the saved shapes
     (a model that grows). A round that keeps records beside the run (FLChain's ledger) may
-    also define `attach(workdir, resume)`, which the training loop calls before `init`.
+    also define `attach(workdir, resume)`, which the training loop calls before `init`,
+    and `report(state)` -> entries the run's summary.json gains (FLChain's trust anchor).
     """
 
     num_sampled: int

@@ -470,7 +470,8 @@ class Simulation:
         ids = self.sample(t)
         now = float(st.clock[0])
         plan = timing.plan(self.stragglers, now, np.asarray(st.free_at), ids,
-                           self.stragglers.draw(self.seed, t, ids, self._slow))
+                           self.stragglers.draw(self.seed, t, ids, self._slow,
+                                                np.asarray(st.free_at)[ids] <= now))
         free_at = np.array(st.free_at, np.float64)
         free_at[ids[plan.active]] = now + 1.0 + plan.delays[plan.active]
         arriving = (np.zeros(0, bool) if st.arrival is None else np.asarray(st.arrival) == t)

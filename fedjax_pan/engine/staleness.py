@@ -21,7 +21,10 @@ arrivals trained from one broadcast. Each returns the server's next model.
   their synchronous script, which applies Eflow alone). m_k is the round's weight: with
   `aggregation.weights = uniform` each accepted client counts 1, as in the authors' code
   (which drops m_k); `num_examples` gives the paper's sample counts. A group whose
-  clients are all dropped gets alpha 0; if every arrival is dropped the model stays.
+  clients are all dropped gets alpha 0, and so does one whose accepted clients' raw loss
+  weights sum_k 1 / loss_k^delta are at most `min_weight` (the authors' `Eflow` returns
+  None when `sum_alpha <= 0.001`: with delta 5 a group of high public loss is dropped);
+  if every arrival is dropped the model stays (the authors' `Sag` would divide by 0).
 """
 
 from __future__ import annotations
@@ -85,18 +88,24 @@ def fedasync(mixing: float = 0.6, kind: str = "polynomial", a: float = 0.5,
 
 
 def sageflow(e_th: float, delta: float, lam: float, gamma_period: int,
-             score: Callable[[PyTree], Dict[str, jax.Array]]) -> Aggregator:
+             score: Callable[[PyTree], Dict[str, jax.Array]],
+             min_weight: float = 1e-3) -> Aggregator:
     """SageFlow's entropy filter, loss-weighted averaging and staleness-aware grouping
-    (module docstring); `score` gives each model's public 'loss' and 'entropy'."""
-    if e_th <= 0 or delta < 0 or lam < 0 or gamma_period < 0:
-        raise ValueError(f"sageflow needs E_th > 0, delta >= 0, lambda >= 0 and a gamma "
-                         f"period >= 0, got {e_th}, {delta}, {lam}, {gamma_period}")
+    (module docstring); `score` gives each model's public 'loss' and 'entropy'; a group
+    whose raw loss weights sum to at most `min_weight` is dropped (the authors' 0.001)."""
+    if e_th <= 0 or delta < 0 or lam < 0 or gamma_period < 0 or min_weight < 0:
+        raise ValueError(f"sageflow needs E_th > 0, delta >= 0, lambda >= 0, a gamma "
+                         f"period >= 0 and min_weight >= 0, got {e_th}, {delta}, {lam}, "
+                         f"{gamma_period}, {min_weight}")
 
     def finalize(models, weights, arrivals):
         n = weights.shape[0]
         group = _groups(arrivals, n)
         accepted = (weights > 0) & (arrivals.scores["entropy"] < e_th)
         loss = jnp.maximum(arrivals.scores["loss"], 1e-12)
+        raw = jax.ops.segment_sum(jnp.where(accepted, 1.0 / loss ** delta, 0.0), group,
+                                  num_segments=n)
+        accepted = accepted & (raw > min_weight)[group]
         beta = jnp.where(accepted, weights / loss ** delta, 0.0)
         beta_sum = jax.ops.segment_sum(beta, group, num_segments=n)
         count = jax.ops.segment_sum(jnp.where(accepted, weights, 0.0), group, num_segments=n)

@@ -4,6 +4,10 @@ A round starts at simulated time T and its clients are those sampled (as without
 stragglers) that are not still busy with an earlier round's work. Each draws a delay of d
 rounds: uniform over {0, ..., max_delay} (the SageFlow authors' model, max 2), or `slow`:
 a fixed share of the clients, drawn once per seed, always takes max_delay and the rest 0.
+With `forced` (d_0, d_1, ...), the first free clients of each round in a random order from
+(seed, round) take those delays instead: the SageFlow authors' `Sageflow.py` gives the
+first three free clients of its (randomly ordered) cohort delays 0, 1, 2 so that every
+staleness group has a member (`forced=(0, 1, 2)`); the default () forces none.
 A client trains on the model it received at T and its output reaches the server at
 T + 1 + d; it is busy (not selectable) until then. The server's policy:
 
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +39,7 @@ import numpy as np
 PyTree = Any
 POLICIES = ("wait_all", "wait_share", "ignore", "stale")
 DELAYS = ("uniform", "slow")
-_DELAY_STREAM, _SLOW_STREAM = 0x5D, 0x51
+_DELAY_STREAM, _SLOW_STREAM, _FORCED_STREAM = 0x5D, 0x51, 0x5F
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +51,13 @@ class Stragglers:
     delays: str = "uniform"
     slow_share: float = 0.0
     wait_share: float = 0.5
+    forced: Tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "forced", tuple(int(d) for d in self.forced))
+        if forced_error(self.forced) or any(d > self.max_delay for d in self.forced):
+            raise ValueError(f"straggler.forced must be delays in [0, max_delay = "
+                             f"{self.max_delay}], got {self.forced}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown straggler policy {self.policy!r}; expected one of "
                              f"{POLICIES}")
@@ -68,14 +77,33 @@ class Stragglers:
             slow[rng.choice(num_clients, count, replace=False)] = True
         return slow
 
-    def draw(self, seed: int, round_index: int, ids: np.ndarray, slow: np.ndarray
-             ) -> np.ndarray:
+    def draw(self, seed: int, round_index: int, ids: np.ndarray, slow: np.ndarray,
+             free: Optional[np.ndarray] = None) -> np.ndarray:
         """(M,) delays of round `round_index`'s sampled clients `ids`, from (seed, round)
-        alone (a resumed run draws the same)."""
+        alone (a resumed run draws the same); `free` (M,) bool: those not busy, the ones
+        `forced` applies to (None: all)."""
         if self.delays == "slow":
-            return np.where(slow[ids], self.max_delay, 0).astype(np.int64)
-        rng = np.random.default_rng([seed, round_index, _DELAY_STREAM])
-        return rng.integers(0, self.max_delay + 1, len(ids)).astype(np.int64)
+            delays = np.where(slow[ids], self.max_delay, 0).astype(np.int64)
+        else:
+            rng = np.random.default_rng([seed, round_index, _DELAY_STREAM])
+            delays = rng.integers(0, self.max_delay + 1, len(ids)).astype(np.int64)
+        if self.forced:
+            free = np.ones(len(ids), bool) if free is None else np.asarray(free, bool)
+            order = np.random.default_rng([seed, round_index, _FORCED_STREAM]).permutation(
+                np.flatnonzero(free))[:len(self.forced)]
+            delays[order] = self.forced[:len(order)]
+        return delays
+
+
+def forced_error(value: Any) -> Optional[str]:
+    """None when `value` is a sequence of delays (integers in [0, 100]), else what it must
+    be (the schema's rule for `straggler.forced`)."""
+    want = "a tuple of integer delays in [0, 100]"
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return want
+    ok = all(isinstance(d, (int, np.integer)) and not isinstance(d, bool) and 0 <= d <= 100
+             for d in value)
+    return None if ok else want
 
 
 class Plan(NamedTuple):
@@ -196,4 +224,4 @@ def arrivals_by_staleness(staleness: np.ndarray, max_delay: int) -> list:
 
 
 __all__ = ["Stragglers", "Plan", "TimeState", "Flight", "plan", "empty",
-           "arrivals_by_staleness", "POLICIES", "DELAYS"]
+           "arrivals_by_staleness", "forced_error", "POLICIES", "DELAYS"]

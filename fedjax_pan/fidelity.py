@@ -1,0 +1,170 @@
+"""Every method a config can name, with its reference, its equivalence tests and its
+departures: the catalogue behind docs/FIDELITY.md.
+
+Kinds and where each declares its references (`fedjax_pan.references.Reference`):
+
+    algorithm     `config.algorithm`            its `AlgorithmEntry.reference`
+    aggregation   `config.aggregation.rule`     `algorithms.registry.RULE_REFERENCES`
+    attack        `config.attack.kind`          `algorithms.attacks.REFERENCES`
+    compression   `config.compression`          `compression.REFERENCES`
+    privacy       `config.privacy`, sampling    `algorithms.dp.REFERENCES`
+
+A test that checks a method against its reference written independently carries
+`@pytest.mark.reference(kind, name, ...)`; `equivalence_tests` finds them by reading the
+test modules (no import), and tests/test_fidelity.py fails for a method without a
+reference, without departures declared, or without such a test.
+
+    python -m fedjax_pan.fidelity            # prints the table
+    python -m fedjax_pan.fidelity --write    # writes docs/FIDELITY.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import sys
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+from fedjax_pan import compression
+from fedjax_pan.algorithms import attacks, dp
+from fedjax_pan.algorithms import registry
+from fedjax_pan.references import Reference
+
+KINDS = ("algorithm", "aggregation", "attack", "compression", "privacy")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+DOC = os.path.join(ROOT, "docs", "FIDELITY.md")
+MARKER = "reference"
+
+
+class Method(NamedTuple):
+    kind: str
+    name: str
+    reference: Optional[Reference]
+
+
+def names(kind: str) -> Tuple[str, ...]:
+    """The names of `kind` a config can select (each must declare a reference)."""
+    if kind == "algorithm":
+        return tuple(registry.ALGORITHMS)
+    if kind == "aggregation":
+        return tuple(registry.AGGREGATION_RULES)
+    if kind == "attack":
+        return tuple(a for a in attacks.ATTACKS if a != "none")
+    if kind == "compression":
+        return tuple(m for m in compression.METHODS if m != "none") + compression.OPTIONS
+    if kind == "privacy":
+        return dp.MECHANISMS
+    raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
+
+
+def _declared(kind: str) -> Dict[str, Reference]:
+    if kind == "algorithm":
+        return {k: e.reference for k, e in registry.ALGORITHMS.items()
+                if e.reference is not None}
+    return {"aggregation": registry.RULE_REFERENCES, "attack": attacks.REFERENCES,
+            "compression": compression.REFERENCES, "privacy": dp.REFERENCES}[kind]
+
+
+def catalogue() -> List[Method]:
+    """Every selectable method of every kind, with its reference (None: undeclared)."""
+    out = []
+    for kind in KINDS:
+        declared = _declared(kind)
+        out += [Method(kind, n, declared.get(n)) for n in names(kind)]
+    return out
+
+
+def undeclared() -> List[str]:
+    """'kind name' of each reference declared for a name no config can select."""
+    return [f"{kind} {n}" for kind in KINDS for n in _declared(kind) if n not in names(kind)]
+
+
+def _marker_args(decorator: ast.expr) -> Optional[List[str]]:
+    # pytest.mark.reference("kind", "name", ...) -> its string arguments
+    if not (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
+            and decorator.func.attr == MARKER):
+        return None
+    mark = decorator.func.value
+    if not (isinstance(mark, ast.Attribute) and mark.attr == "mark"):
+        return None
+    return [a.value for a in decorator.args
+            if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+
+
+def equivalence_tests(tests_dir: str = TESTS) -> Dict[Tuple[str, str], List[str]]:
+    """(kind, name) -> ['test_x.py::test_fn', ...]: the tests marked as checking it."""
+    found: Dict[Tuple[str, str], List[str]] = {}
+    for file in sorted(os.listdir(tests_dir)):
+        if not (file.startswith("test_") and file.endswith(".py")):
+            continue
+        with open(os.path.join(tests_dir, file), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), file)
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for decorator in node.decorator_list:
+                args = _marker_args(decorator)
+                if args and len(args) >= 2:
+                    for name in args[1:]:
+                        found.setdefault((args[0], name), []).append(f"{file}::{node.name}")
+    return found
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def table(tests_dir: str = TESTS) -> str:
+    """docs/FIDELITY.md: one section per kind, a row per method."""
+    tests = equivalence_tests(tests_dir)
+    lines = ["# Fidelity: every method against its reference", "",
+             "Generated by `python -m fedjax_pan.fidelity --write` from the references the "
+             "methods declare (`fedjax_pan/references.py`) and the tests marked "
+             "`@pytest.mark.reference`; tests/test_fidelity.py fails when a method lacks a "
+             "reference, a departures list or an equivalence test, or when this page is "
+             "out of date. Code references name the file read and the commit it was read "
+             "at. \"none\" under departures: the method equals its reference.", ""]
+    by_kind: Dict[str, List[Method]] = {}
+    for m in catalogue():
+        by_kind.setdefault(m.kind, []).append(m)
+    for kind in KINDS:
+        lines += [f"## {kind}", "",
+                  "| method | reference | code | equivalence tests | departures |",
+                  "| --- | --- | --- | --- | --- |"]
+        for m in by_kind.get(kind, []):
+            ref = m.reference
+            if ref is None:
+                lines.append(f"| `{m.name}` | **missing** | | | |")
+                continue
+            checked = "<br>".join(f"`{t}`" for t in tests.get((kind, m.name), [])) or \
+                "**missing**"
+            departures = "<br>".join(f"- {_cell(d)}" for d in ref.departures) or "none"
+            lines.append(f"| `{m.name}` | {_cell(ref.paper)} | "
+                         f"{_cell(ref.code) if ref.code else '-'} | {checked} | {departures} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fedjax_pan.fidelity",
+                                description="The fidelity table (docs/FIDELITY.md).")
+    p.add_argument("--write", action="store_true", help=f"write {os.path.relpath(DOC, ROOT)}")
+    args = p.parse_args(argv)
+    text = table()
+    if not args.write:
+        print(text)
+        return 0
+    with open(DOC, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["KINDS", "Method", "names", "catalogue", "undeclared", "equivalence_tests",
+           "table", "main"]
