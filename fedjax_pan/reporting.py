@@ -36,6 +36,7 @@ def plot_curves(runs: Dict[str, List[Dict[str, Any]]], path: str, title: str = "
     FigureCanvasAgg(fig)
     ax_acc, ax_loss = fig.subplots(1, 2)
     groups = groups or {name: {0: name} for name in runs}
+    positive_loss = False
     for group, members in groups.items():
         rows = [runs[name] for name in members.values()]
         n = min(len(r) for r in rows)
@@ -46,11 +47,14 @@ def plot_curves(runs: Dict[str, List[Dict[str, Any]]], path: str, title: str = "
         for ax, key, scale in ((ax_acc, "test_accuracy", 100.0), (ax_loss, "train_loss", 1.0)):
             v = scale * np.asarray([[r[key] for r in run[:n]] for run in rows], np.float64)
             line, = ax.plot(rounds, v.mean(axis=0), label=label)
+            positive_loss |= key == "train_loss" and bool(np.any(v > 0))
             if len(rows) > 1:
                 ax.fill_between(rounds, v.min(axis=0), v.max(axis=0), alpha=0.2,
                                 color=line.get_color())
     ax_acc.set(xlabel="round", ylabel="test accuracy (%)", title=title)
-    ax_loss.set(xlabel="round", ylabel="training loss", yscale="log")
+    # A log axis needs a positive value (a run whose rounds only collect statistics has none).
+    ax_loss.set(xlabel="round", ylabel="training loss",
+                yscale="log" if positive_loss else "linear")
     for ax in (ax_acc, ax_loss):
         ax.grid(alpha=0.3)
         ax.legend()

@@ -1,4 +1,4 @@
-"""Alignment figures (PAN paper Figs. 6-8) write non-empty PNGs."""
+"""Alignment figures (PAN paper Figs. 6-8) and run curves write non-empty PNGs."""
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -44,3 +44,17 @@ def test_plot_divergence(tmp_path):
     assert isinstance(fig, Figure) and _is_png(path)
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert labels == ["fc1", "fc2", "head"]
+
+
+def test_curves_fall_back_to_a_linear_loss_axis_without_a_positive_loss(tmp_path):
+    import warnings
+
+    from fedjax_pan import reporting
+    rows = [{"round": r, "test_accuracy": 0.1 * r, "train_loss": loss}
+            for r, loss in ((1, 0.0), (2, 0.0))]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib warns on a log axis with no positive value
+        reporting.plot_curves({"collecting": rows}, str(tmp_path / "flat.png"))
+        reporting.plot_curves({"run": [{**r, "train_loss": 1.0 / r["round"]} for r in rows]},
+                              str(tmp_path / "log.png"))
+    assert (tmp_path / "flat.png").stat().st_size > 0 and (tmp_path / "log.png").exists()

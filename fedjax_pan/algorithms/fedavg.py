@@ -34,9 +34,10 @@ REFERENCE = Reference(
     pfllib("servers/serveravg.py", "clients/clientavg.py"),
     ("aggregation weights are uniform by default (config.aggregation.weights='uniform'); "
      "'num_examples' gives Alg. 1's n_k / n, which PFLlib uses",
-     "the default client optimiser (config.local) is SGD with momentum 0.9, weight decay "
-     "1e-5 and gradient-norm clipping at 100, not Alg. 1's plain SGD (momentum=0, "
-     "weight_decay=0 and a large grad_clip give it)",
+     "the default client optimiser (config.optimizer) is SGD with momentum 0.9, weight decay "
+     "1e-5, gradient-norm clipping at 100 and a 10-round warm-up (the PAN authors' "
+     "settings), not Alg. 1's plain SGD (momentum=0, weight_decay=0, warmup='none' and a "
+     "large grad_clip give it)",
      "FedAdam / FedYogi are optax.adam / optax.yogi: their moments are bias-corrected, which "
      "Reddi et al.'s Alg. 2 does not do, and optax.yogi starts both moments at 1e-6 (the "
      "paper: m = 0, v >= tau^2); tau is optax's eps (default 1e-3, beta1 0.9, beta2 0.99)",
