@@ -39,6 +39,7 @@ Presets:
   authors the SageFlow scenarios under the SageFlow authors' protocol (AUTHORS: attackers
           drawn per round, forced delays 0-2, their lr decay and backdoor settings), at
           the cpu preset's size; authors_sageflow: its SageFlow rows at seed 0
+  sageflow the cpu preset's SageFlow rows alone (this library's protocol, 12 runs)
 Outputs: robustness_runs.csv, robustness.csv, robustness.json, robustness.png (final
 accuracy per scenario), robustness_curves.png (accuracy against simulated time).
 """
@@ -115,6 +116,7 @@ PRESETS = MappingProxyType({
     "authors": Settings(authors=True, scenarios=("stragglers", "adversaries", "both")),
     "authors_sageflow": Settings(authors=True, seeds=(0,), methods=("sageflow",),
                                  scenarios=("stragglers", "adversaries", "both")),
+    "sageflow": Settings(methods=("sageflow",), scenarios=("stragglers", "adversaries", "both")),
 })
 
 

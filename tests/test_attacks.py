@@ -59,6 +59,7 @@ def test_per_round_attackers_are_exactly_int_m_fraction_of_each_cohort():
         assembly.validate(config(attack__kind="sign_flip", attack__draw="sometimes"))
 
 
+@pytest.mark.slow  # every strategy compiles (the slow run holds the strategies' agreement)
 def test_per_round_attackers_agree_across_strategies():
     """A (rounds, K) table is looked up by client id and round: every execution strategy
     and the sequential reference see the same attackers, and round r's attackers are

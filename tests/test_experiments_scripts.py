@@ -712,6 +712,10 @@ def test_robustness_configs_and_table_by_hand():
                 assert (cfg.participation, cfg.local.batch_size, cfg.attack.start_round,
                         cfg.aggregation.sageflow.delta) == (0.1, 64, 10, 5.0)
     assert {j.method for j in robustness.jobs(robustness.PRESETS["siren"])} == {"siren"}
+    ours = robustness.jobs(robustness.PRESETS["sageflow"])
+    assert {j.method for j in ours} == {"sageflow"} and len(ours) == 12
+    assert all(robustness.run_config(robustness.PRESETS["sageflow"], j).attack.draw == "fixed"
+               for j in ours)
     s = robustness.PRESETS["authors"]
     job = robustness.Job("adversaries", "backdoor", "zeno", 0)
     assert robustness.run_config(s, job).aggregation.byzantine == 1  # int(10 x 0.1)
