@@ -27,7 +27,9 @@ Penalty and reward: a client not used gains a penalty point, one used loses `for
 clients were rejected the server also rolls back: it adds the used updates to the global
 model of one round earlier (of two rounds earlier when rejections came twice running),
 undoing what the attackers slipped in before the alarms. The used updates are averaged
-uniformly (the authors' alpha = 1 / used).
+uniformly (the authors' alpha = 1 / used). The rollback's bookkeeping is the authors' as
+coded (`main.py`'s `flag` and `exist_mal`): it is skipped in a round whose used clients
+number as many as the barred ones, their `prohibited` counting the clients not yet barred.
 """
 
 from __future__ import annotations
