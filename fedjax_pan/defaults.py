@@ -69,8 +69,9 @@ def default_config() -> ml_collections.ConfigDict:
     # Clients that answer late (engine/timing.py): delays uniform over {0..max_delay}, or
     # 'slow': a slow_share of the clients always max_delay late; the server waits for
     # all, waits for wait_share, ignores late outputs, or uses them stale. 0: none.
-    # forced: delays given to the first free clients of each round in sampling order (the
-    # SageFlow authors' (0, 1, 2): every staleness group gets one), the rest drawn.
+    # forced: delays given to the first free clients of each round in a random order from
+    # (seed, round) (the SageFlow authors' (0, 1, 2): every staleness group gets one), the
+    # rest drawn.
     c.straggler = ml_collections.ConfigDict({"max_delay": 0, "delays": "uniform",
                                              "slow_share": 0.2, "policy": "stale",
                                              "wait_share": 0.5, "forced": ()})

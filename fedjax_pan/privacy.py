@@ -112,4 +112,5 @@ class Ledger:
             return float(self._accountant.get_epsilon(self.delta))
 
 
-__all__ = ["SAMPLINGS", "SENSITIVITY", "RELATION", "round_event", "make_accountant", "epsilon", "Ledger"]
+__all__ = ["SAMPLINGS", "SENSITIVITY", "RELATION", "round_event", "make_accountant",
+           "epsilon", "Ledger"]

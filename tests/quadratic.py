@@ -60,3 +60,13 @@ def quadratic_clients(dim: int = 3, size: int = 8, scales=(0.5, 1.0, 1.5, 2.0),
     model = Residual(dim)
     variables = {"params": {"w": jnp.zeros((dim,), jnp.float32)}}
     return Quadratic(model, variables, data, np.linalg.solve(hess, rhs))
+
+
+def client_gradients(q: Quadratic) -> list:
+    """Client k's full-batch gradient of f_k(w) = 1/(2 n_k) |A_k w - b_k|^2, in NumPy
+    (float64), for reference loops written independently of the engine."""
+    x = np.asarray(q.data.images, np.float64)[:, :, 0, 0]
+    parts = [np.asarray(q.data.index_table[k])[:int(q.data.sizes[k])]
+             for k in range(q.data.num_clients)]
+    dim = q.optimum.shape[0]
+    return [lambda w, a=x[p, :dim], b=x[p, dim]: a.T @ (a @ w - b) / len(b) for p in parts]

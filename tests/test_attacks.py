@@ -45,7 +45,7 @@ def test_per_round_attackers_are_exactly_int_m_fraction_of_each_cohort():
     from fedjax_pan.engine.simulation import sample_clients
     cfg = config(rounds=6, attack__kind="sign_flip", attack__fraction=0.3,
                  attack__draw="per_round", participation=0.5, partition__num_clients=10)
-    table = attacks.malicious_from_config(cfg, 10)
+    table = attacks.malicious_from_config(cfg, 10, "uniform")
     assert table.shape == (6, 10)
     for r in range(6):
         cohort = sample_clients(cfg.seed, 10, 5, r)
@@ -53,7 +53,7 @@ def test_per_round_attackers_are_exactly_int_m_fraction_of_each_cohort():
         np.testing.assert_array_equal(attacks.attacking(table, r, cohort),
                                       attacks.draw_round(0.3, cohort, cfg.seed, r))
     cfg.attack.draw = "fixed"
-    fixed = attacks.malicious_from_config(cfg, 10)
+    fixed = attacks.malicious_from_config(cfg, 10, "uniform")
     np.testing.assert_array_equal(fixed, attacks.draw_malicious(0.3, 10, cfg.seed))
     with pytest.raises(ConfigError, match="attack.draw"):
         assembly.validate(config(attack__kind="sign_flip", attack__draw="sometimes"))

@@ -12,9 +12,8 @@ from fedjax_pan.algorithms.feddyn import OPTIONS, RULES, feddyn, from_config
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.simulation import SimState
 from fedjax_pan.defaults import default_config
-from quadratic import quadratic_clients, squared_loss
-from test_scaffold import (SIZES, WORK, _distances, _quadratic_grads,
-                           check_strategies_against_reference)
+from quadratic import client_gradients, quadratic_clients, squared_loss
+from test_scaffold import SIZES, WORK, _distances, check_strategies_against_reference
 
 tree_map = jax.tree_util.tree_map
 
@@ -85,7 +84,7 @@ def test_rounds_match_algorithm_one_written_in_numpy():
                                                        q.variables, 2),
                      participation=0.5, seed=3)
     state = sim.init(q.variables)
-    grads, num = _quadratic_grads(q), q.data.num_clients
+    grads, num = client_gradients(q), q.data.num_clients
     theta, h = np.zeros(q.optimum.shape), np.zeros(q.optimum.shape)
     g = [np.zeros_like(theta) for _ in range(num)]
     for r in range(3):

@@ -11,7 +11,7 @@ from fedjax_pan.algorithms import client_optimizer, fedavg
 from fedjax_pan.algorithms.scaffold import OPTIONS, RULES, from_config, scaffold
 from fedjax_pan.defaults import default_config
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
-from quadratic import quadratic_clients, squared_loss
+from quadratic import client_gradients, quadratic_clients, squared_loss
 
 SIZES = [16, 24, 16, 32, 24, 8]  # whole batches: one compiled step shape
 WORK = LocalWork(batch_size=8, epochs=1.5)
@@ -140,15 +140,6 @@ def test_options_and_config():
         from_config(model, cfg, tx, None)
 
 
-def _quadratic_grads(q):
-    """Client k's full-batch gradient of f_k(w) = 1/(2 n_k) |A_k w - b_k|^2, in NumPy."""
-    x = np.asarray(q.data.images, np.float64)[:, :, 0, 0]
-    parts = [np.asarray(q.data.index_table[k])[:int(q.data.sizes[k])]
-             for k in range(q.data.num_clients)]
-    dim = q.optimum.shape[0]
-    return [lambda w, a=x[p, :dim], b=x[p, dim]: a.T @ (a @ w - b) / len(b) for p in parts]
-
-
 @pytest.mark.reference("algorithm", "scaffold")
 def test_rounds_match_algorithm_one_option_two_written_in_numpy():
     """Alg. 1 (option II) of Karimireddy et al. in NumPy: y <- y - lr (g_k(y) + c - c_k),
@@ -161,7 +152,7 @@ def test_rounds_match_algorithm_one_option_two_written_in_numpy():
     ex = make_executor("loop", algo, work, q.data, q.variables, 2)
     sim = Simulation(algo, q.data, work, ex, participation=0.5, seed=3)
     state = sim.init(q.variables)
-    grads, num = _quadratic_grads(q), q.data.num_clients
+    grads, num = client_gradients(q), q.data.num_clients
     x, c = np.zeros(q.optimum.shape), np.zeros(q.optimum.shape)
     c_k = [np.zeros_like(x) for _ in range(num)]
     for r in range(3):

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.engine.simulation import sampled_clients
 from fedjax_pan.references import SAGEFLOW, SIREN, Reference
 
 PyTree = Any
@@ -133,9 +134,10 @@ def round_table(fraction: float, cohorts: Sequence[np.ndarray], seed: int,
     return table
 
 
-def malicious_from_config(cfg: Any, num_clients: int) -> np.ndarray:
+def malicious_from_config(cfg: Any, num_clients: int, sampling: str) -> np.ndarray:
     """`config.attack`'s attackers: (K,) bool for draw 'fixed', (rounds, K) for
-    'per_round' (each round's cohort as the engine samples it), all False for kind none."""
+    'per_round' (each round's cohort as the engine samples it under `sampling`, the
+    resolved `config.sampling`), all False for kind none."""
     a = cfg.attack
     if a.kind == "none":
         return np.zeros(num_clients, bool)
@@ -143,17 +145,9 @@ def malicious_from_config(cfg: Any, num_clients: int) -> np.ndarray:
         return draw_malicious(a.fraction, num_clients, cfg.seed)
     if a.draw != "per_round":
         raise ValueError(f"unknown attack.draw {a.draw!r}; expected one of {DRAWS}")
-    # The engine's own samplers (pure functions of seed and round), imported here: the
-    # attack draws among the cohort each round's sampler gives.
-    from fedjax_pan.algorithms.registry import cohort_sampling
-    from fedjax_pan.engine.simulation import (clients_per_round, poisson_clients,
-                                              sample_clients)
-    if cohort_sampling(cfg) == "poisson":
-        cohorts = [poisson_clients(cfg.seed, num_clients, cfg.participation, r)
-                   for r in range(cfg.rounds)]
-    else:
-        m = clients_per_round(cfg.participation, num_clients)
-        cohorts = [sample_clients(cfg.seed, num_clients, m, r) for r in range(cfg.rounds)]
+    # The engine's own sampler: the attack draws among the cohort each round has.
+    cohorts = [sampled_clients(cfg.seed, num_clients, cfg.participation, sampling, r)
+               for r in range(cfg.rounds)]
     return round_table(a.fraction, cohorts, cfg.seed, num_clients)
 
 

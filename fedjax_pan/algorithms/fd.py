@@ -34,6 +34,7 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
                                         server_model, tree_bytes, weighted_sum)
+from fedjax_pan.algorithms.fedproto import class_sums
 from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
 
@@ -93,11 +94,9 @@ def fd(model: nn.Module, client_tx: optax.GradientTransformation, *, lam: float 
             count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
             # The step's training-mode logits by class (PFLlib records `output`), carried
             # out of the gradient pass beside its metrics.
-            onehot = jax.nn.one_hot(batch["y"], local.counts.shape[0]) * \
-                batch["mask"][:, None]
-            sums = onehot.T @ jax.lax.stop_gradient(logits).astype(jnp.float32)
-            return lam * term / count, {"distill_sum": term, SUMS: sums,
-                                        COUNTS: jnp.sum(onehot, 0)}
+            sums, counts = class_sums(jax.lax.stop_gradient(logits).astype(jnp.float32),
+                                      batch["y"], batch["mask"], local.counts.shape[0])
+            return lam * term / count, {"distill_sum": term, SUMS: sums, COUNTS: counts}
         train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch,
                                             extra_loss=distil)
         sums, counts = metrics.pop(SUMS), metrics.pop(COUNTS)

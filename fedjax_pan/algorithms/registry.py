@@ -11,6 +11,7 @@ from typing import Any, Callable, Dict, Optional
 
 import flax.linen as nn
 import jax
+import numpy as np
 import optax
 
 from fedjax_pan.algorithms import core
@@ -63,7 +64,7 @@ from fedjax_pan.algorithms.siren import ENTRY as SIREN
 from fedjax_pan import compression
 from fedjax_pan.algorithms import attacks, compressed, dp, local
 from fedjax_pan.engine import robust, staleness
-from fedjax_pan.engine.simulation import clients_per_round
+from fedjax_pan.engine.simulation import SAMPLINGS, clients_per_round
 from fedjax_pan.references import SAGEFLOW, Reference
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
@@ -280,8 +281,10 @@ def from_config(model: nn.Module, cfg: Any, public: Any = None, public_labels: A
 
 
 def attack_from_config(algorithm: FederatedAlgorithm, cfg: Any, num_clients: int,
-                       num_classes: int) -> FederatedAlgorithm:
-    """`algorithm` with `config.attack`'s malicious clients (unchanged for kind 'none')."""
+                       num_classes: int, malicious: Optional[np.ndarray] = None
+                       ) -> FederatedAlgorithm:
+    """`algorithm` with `config.attack`'s malicious clients (unchanged for kind 'none');
+    `malicious`: their table where the caller has it (`attacks.malicious_from_config`)."""
     a = cfg.attack
     if a.kind == "none":
         return algorithm
@@ -289,8 +292,9 @@ def attack_from_config(algorithm: FederatedAlgorithm, cfg: Any, num_clients: int
     if a.kind == "backdoor" and a.target >= num_classes:
         raise ValueError(f"attack.target must be a class below {num_classes}, got {a.target}")
     attack = attacks.Attack(a.kind, num_classes, scale, a.target, a.poisoned, a.start_round)
-    return attacks.with_attack(algorithm, attack,
-                               attacks.malicious_from_config(cfg, num_clients))
+    if malicious is None:
+        malicious = attacks.malicious_from_config(cfg, num_clients, cohort_sampling(cfg))
+    return attacks.with_attack(algorithm, attack, malicious)
 
 
 def _transform(side: Any) -> Any:
@@ -298,7 +302,7 @@ def _transform(side: Any) -> Any:
                                  side.error_feedback, side.quantize_bits)
 
 
-SAMPLING_CHOICES = ("auto", "uniform", "poisson")
+SAMPLING_CHOICES = ("auto",) + SAMPLINGS
 
 
 def cohort_sampling(cfg: Any) -> str:

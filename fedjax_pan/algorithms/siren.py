@@ -288,8 +288,9 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                          "partition.test_fraction > 0 (the authors keep 10%)")
     k = services.num_clients
     classes = int(services.data.label_counts.shape[1])
-    algorithm = registry.attack_from_config(siren_clients(model, client_tx), cfg, k, classes)
-    malicious = attacks.malicious_from_config(cfg, k)
+    malicious = attacks.malicious_from_config(cfg, k, registry.cohort_sampling(cfg))
+    algorithm = registry.attack_from_config(siren_clients(model, client_tx), cfg, k, classes,
+                                            malicious)
     return Siren(model, client_tx, services, public, public_labels, client_evaluate,
                  malicious, cfg.siren.to_dict(), cfg.rounds, algorithm,
                  attack_start=cfg.attack.start_round)

@@ -98,6 +98,16 @@ def poisson_clients(seed: int, num_clients: int, rate: float, round_index: int
     return np.flatnonzero(rng.random(num_clients) < rate)
 
 
+def sampled_clients(seed: int, num_clients: int, participation: float, sampling: str,
+                    round_index: int) -> np.ndarray:
+    """Round `round_index`'s cohort under `sampling` (SAMPLINGS): `poisson_clients`, or
+    `sample_clients` of max(1, round(R K)); a pure function of (seed, round)."""
+    if sampling == "poisson":
+        return poisson_clients(seed, num_clients, participation, round_index)
+    return sample_clients(seed, num_clients, clients_per_round(participation, num_clients),
+                          round_index)
+
+
 @dataclasses.dataclass
 class Tuning:
     """Local training every client gives the model it is evaluated on before its own test
@@ -204,10 +214,8 @@ class Simulation:
     shapes_change = False
 
     def sample(self, round_index: int) -> np.ndarray:
-        if self.sampling == "poisson":
-            return poisson_clients(self.seed, self.data.num_clients, self.participation,
-                                   round_index)
-        return sample_clients(self.seed, self.data.num_clients, self.num_sampled, round_index)
+        return sampled_clients(self.seed, self.data.num_clients, self.participation,
+                               self.sampling, round_index)
 
     def evaluation(self, server: PyTree) -> tuple:
         """(network to evaluate, or None for the experiment's model; its variables)."""
