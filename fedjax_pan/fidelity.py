@@ -20,7 +20,6 @@ reference, without departures declared, or without such a test.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import os
 import sys
@@ -148,12 +147,16 @@ def table(tests_dir: str = TESTS) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fedjax_pan.fidelity",
-                                description="The fidelity table (docs/FIDELITY.md).")
-    p.add_argument("--write", action="store_true", help=f"write {os.path.relpath(DOC, ROOT)}")
-    args = p.parse_args(argv)
+    """Prints the table, or with --write writes docs/FIDELITY.md; anything else is one
+    error line and exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv not in ([], ["--write"]):
+        print(f"error: unexpected arguments {argv}; usage: python -m fedjax_pan.fidelity "
+              f"[--write] (prints the fidelity table, or writes "
+              f"{os.path.relpath(DOC, ROOT)})", file=sys.stderr)
+        return 2
     text = table()
-    if not args.write:
+    if not argv:
         print(text)
         return 0
     with open(DOC, "w", encoding="utf-8") as f:

@@ -80,3 +80,11 @@ def test_the_table_marks_what_is_missing(monkeypatch, tmp_path):
     text = fidelity.table(str(tmp_path))
     assert "| `fedavg` | McMahan et al. 2017 | - | **missing** | none |" in text
     assert "| `nameless` | **missing** | | | |" in text
+
+
+def test_a_wrong_command_line_is_one_error_line_and_exit_2(capsys):
+    assert fidelity.main(["--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: unexpected arguments ['--bogus']")
+    assert fidelity.main([]) == 0
+    assert capsys.readouterr().out.startswith("# Fidelity")
