@@ -8,7 +8,7 @@ Part 1, tampering. One seed, three runs of the same federation and training:
   chain     4 validators (f = 1), validator 0 tampering the same way from the same round:
             its proposals are rejected (the next proposer commits), accuracy is the honest
             run's to the bit
-Each run's ledger is then audited (`fedjax_pan.ledger.verify`) against the trust anchor
+Each run's ledger is then audited (`flchain_cli.verify`) against the trust anchor
 its summary records (validator keys, each channel's head hash and height): the central
 server's first tampered block is located.
 
@@ -116,8 +116,9 @@ def audit(run_dir: str, anchor: Optional[Dict[str, Any]] = None) -> str:
     """'verified' (against `anchor`, the run's summary's, where given), or the audit's one
     line locating the fault."""
     from fedjax_pan import ledger
+    from fedjax_pan.algorithms import flchain_cli
     try:
-        ledger.verify(run_dir, anchor=anchor)
+        flchain_cli.verify(run_dir, anchor=anchor)
         return "verified"
     except ledger.LedgerError as e:
         return str(e).replace(os.path.join(run_dir, ""), "")

@@ -13,11 +13,9 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from fedjax_pan import algorithms, models, permutation, privacy, schema
+from fedjax_pan import algorithms, models, schema
 from fedjax_pan import data as data_lib
-from fedjax_pan.algorithms import attacks, finetune
-from fedjax_pan.algorithms.attacks import add_pattern
-from fedjax_pan.algorithms.shuffle import with_shuffling
+from fedjax_pan.algorithms import attacks, features, finetune, sampling
 from fedjax_pan.engine import (Augment, ClientData, LocalWork, Simulation, clients_per_round,
                                count_compiles, make_evaluator, make_executor, resolve_strategy)
 from fedjax_pan.engine.evaluation import make_client_evaluator
@@ -25,7 +23,6 @@ from fedjax_pan.engine.protocol import Round, placeholder_context
 from fedjax_pan.engine import Groups
 from fedjax_pan.engine.services import Services
 from fedjax_pan.engine.simulation import Tuning
-from fedjax_pan.engine.timing import Stragglers
 from fedjax_pan.errors import ConfigError, require
 
 __all__ = ["Experiment", "validate", "build", "build_counted", "make_round", "load_dataset",
@@ -128,19 +125,6 @@ def _augment(cfg: ml_collections.ConfigDict, ds: data_lib.Dataset) -> Optional[A
     return Augment(pad=4, flip=True, fill=fill)
 
 
-def _check_shuffleable(algorithm: Any, variables: Any, num_classes: int, name: str) -> None:
-    # Alg. 2 permutes a local model in place: the local state must be one (params and
-    # model_state); per-client extras (control variates, previous models) would also need
-    # permuting, which no algorithm declares yet.
-    ctx = placeholder_context(num_classes)
-    server = jax.eval_shape(algorithm.server_init, variables)
-    local = jax.eval_shape(lambda s: algorithm.client_init(
-        s, algorithm.client_state_init(s), ctx), server)
-    require(hasattr(local, "params") and hasattr(local, "model_state"),
-            f"config.shuffle.n_sf > 0 (Alg. 2) needs a local state that is a model; "
-            f"algorithm {name!r} keeps {type(local).__name__}: set shuffle.n_sf=0")
-
-
 def public_split(num_train: int, public_size: int, seed: int
                  ) -> Tuple[np.ndarray, np.ndarray]:
     """(public rows, rows kept for the clients) of the training set: `public_size` rows
@@ -222,21 +206,14 @@ def build(cfg: ml_collections.ConfigDict,
     simulation = make_round(cfg, model, variables, client_data, work, public, public_labels,
                             local.get("client_evaluate"))
     probes = {}
-    if cfg.attack.kind == "backdoor":
-        # The attack's success: test images of the other classes, patterned, scored
-        # against the target label.
-        others = np.asarray(ds.test_labels) != cfg.attack.target
-        probes["backdoor_success"] = make_evaluator(
-            model, add_pattern(test_x[others]), np.full(int(others.sum()), cfg.attack.target),
-            cfg.eval.batch_size, ds.num_classes)
     round_fields = {}
-    if cfg.privacy.clip > 0:
-        k = len(parts)
-        sampling = algorithms.registry.cohort_sampling(cfg)
-        ledger = privacy.Ledger(cfg.privacy.noise_multiplier, cfg.privacy.delta, sampling,
-                                k, clients_per_round(cfg.participation, k),
-                                cfg.participation if sampling == "poisson" else None)
-        round_fields["dp_epsilon"] = ledger.epsilon
+    for feature, *_ in features.active(cfg):
+        if feature.probes is not None:
+            for name, (images, labels) in feature.probes(cfg, test_x, ds.test_labels).items():
+                probes[name] = make_evaluator(model, images, labels, cfg.eval.batch_size,
+                                              ds.num_classes)
+        if feature.round_fields is not None:
+            round_fields.update(feature.round_fields(cfg, len(parts)))
     return Experiment(cfg, ds, parts, model, variables, simulation, evaluate, strategy,
                       probes=probes, round_fields=round_fields, **local)
 
@@ -246,14 +223,23 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                public_labels: Any = None, client_evaluate: Any = None) -> Round:
     """The round `cfg.algorithm` runs on `client_data`: the algorithm's own driver where it
     gives one for this config (FedMA; KT-pFL in the paper's order or over several
-    architectures), else a
-    `Simulation` of its compiled round (with Alg. 2's shuffling where `cfg.shuffle` asks,
-    `cfg.attack`'s malicious clients and `cfg.straggler`'s late ones), executed as
-    `cfg.execution` says. Config errors raise ConfigError."""
+    architectures), else a `Simulation` of its compiled round with the features the config
+    turns on (`algorithms.features`, in their order), executed as `cfg.execution` says.
+    Config errors raise ConfigError."""
     entry = algorithms.ALGORITHMS[cfg.algorithm]
     try:
-        services = Services(client_data, work, cfg.participation, cfg.seed,
-                            cfg.execution.strategy, cfg.execution.block_size)
+        # What the config selects by name, resolved here: drivers never read the registry.
+        services = Services(
+            client_data, work, cfg.participation, cfg.seed, cfg.execution.strategy,
+            cfg.execution.block_size,
+            server_tx=algorithms.registry.server_optimizer(cfg.server.optimizer, cfg.server.lr,
+                                                           cfg.server.momentum),
+            sampling=sampling.cohort_sampling(cfg),
+            attack=(None if attacks.FEATURE.first_on(cfg) is None else
+                    lambda algorithm, malicious: attacks.from_config(
+                        algorithm, cfg, client_data.num_clients,
+                        int(client_data.label_counts.shape[1]), sampling.cohort_sampling(cfg),
+                        malicious)))
         needs = {"public_labels": public_labels, "client_evaluate": client_evaluate}
         simulation = None if entry.driver is None else entry.driver(
             model, cfg, algorithms.registry.client_tx(cfg), services,
@@ -278,48 +264,37 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
         if not isinstance(simulation, Round):
             raise TypeError(f"{cfg.algorithm}'s driver {type(simulation).__name__} lacks "
                             f"engine.protocol.Round's members")
-        # A driver that puts the config's attackers among its clients says so (Siren).
-        attacks_handled = getattr(simulation, "handles_attacks", False)
-        for key, default, off in (
-                ("shuffle.n_sf", "0", cfg.shuffle.n_sf == 0),
-                ("straggler.max_delay", "0", cfg.straggler.max_delay == 0),
-                ("attack.kind", "'none'", cfg.attack.kind == "none" or attacks_handled),
-                *[(key, repr(off), _setting(cfg, key) == off) for key, off in COMMUNICATION],
-                ("sampling", "'uniform'", algorithms.registry.cohort_sampling(cfg) == "uniform"),
-                ("eval.finetune_epochs", "0", cfg.eval.finetune_epochs == 0)):
-            require(off, f"config.{key} is not available with algorithm {cfg.algorithm!r} "
-                    f"as configured (its rounds run on its own driver): set {key}={default}")
+        # A driver applies none of the features unless it says it does (Siren's attackers
+        # are among its own clients).
+        refused = [(key, repr(off)) for f, key, _, off in features.active(cfg)
+                   if f.section not in simulation.features]
+        if sampling.cohort_sampling(cfg) != "uniform":
+            refused.append(("sampling", "'uniform'"))
+        if cfg.eval.finetune_epochs:
+            refused.append(("eval.finetune_epochs", "0"))
+        for key, off in refused[:1]:
+            raise ConfigError(f"config.{key} is not available with algorithm "
+                              f"{cfg.algorithm!r} as configured (its rounds run on its own "
+                              f"driver): set {key}={off}")
         return simulation
-    if cfg.shuffle.n_sf > 0:
-        num_classes = int(client_data.label_counts.shape[1])
-        _check_shuffleable(algorithm, variables, num_classes, cfg.algorithm)
-        spec = permutation.spec_for(model, variables)
-        algorithm = with_shuffling(algorithm, spec, cfg.shuffle.p_sf, cfg.shuffle.n_sf,
-                                   cfg.shuffle.window)
     num_classes = int(client_data.label_counts.shape[1])
-    needs_view = cfg.attack.kind in attacks.MODEL_ATTACKS or algorithm.aggregator.space == "model"
-    if needs_view:
-        _check_model_view(algorithm, variables, num_classes, cfg)
-    try:
-        algorithm = algorithms.registry.attack_from_config(algorithm, cfg,
-                                                          client_data.num_clients, num_classes)
-    except ValueError as e:
-        raise ConfigError(f"config.attack: {e}") from None
-    communication = _communication_setting(cfg)
-    if communication is not None:
-        _check_model_view(algorithm, variables, num_classes, cfg, communication)
+    if algorithm.aggregator.space == "model":
+        _check_model_view(algorithm, variables, num_classes, cfg,
+                          f"aggregation.rule={cfg.aggregation.rule!r}")
+    build = algorithms.core.Build(cfg, model, variables, client_data.num_clients, num_classes,
+                                  sampling.cohort_sampling(cfg))
+    engine_options: Dict[str, Any] = {}
+    for feature, key, value, _ in features.active(cfg):
+        if feature.needs_model(cfg):
+            _check_model_view(algorithm, variables, num_classes, cfg, f"{key}={value!r}")
         try:
-            algorithm = algorithms.registry.communication_from_config(
-                algorithm, cfg, model, variables, client_data.num_clients)
+            algorithm = feature.wrap(algorithm, build)
             # Refusals that depend on the model (BatchNorm under DP) fail here.
             jax.eval_shape(algorithm.server_init, variables)
         except ValueError as e:
-            raise ConfigError(f"config.{communication}: {e}") from None
-    own_stacked = (algorithm.aggregator.stacked and cfg.aggregation.rule == "mean")
-    require(cfg.straggler.max_delay == 0 or not own_stacked,
-            f"config.straggler.max_delay > 0 needs an aggregation that can leave out outputs "
-            f"not yet arrived, and {cfg.algorithm!r} aggregates its own way: set "
-            f"straggler.max_delay=0")
+            raise ConfigError(f"config.{key}={value!r}: {e}") from None
+        if feature.simulation is not None:
+            engine_options.update(feature.simulation(cfg))
     try:
         executor = make_executor(resolve_strategy(cfg.execution.strategy, variables),
                                  algorithm, work, client_data, variables,
@@ -327,14 +302,11 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
                                  cfg.execution.block_size)
     except ValueError as e:
         raise ConfigError(f"config.execution: {e}") from None
-    st = cfg.straggler
-    stragglers = Stragglers(st.max_delay, st.policy, st.delays, st.slow_share, st.wait_share,
-                            tuple(st.get("forced", ())))
     return Simulation(algorithm, client_data, work, executor, cfg.participation,
-                      cfg.aggregation.weights, cfg.seed, stragglers=stragglers,
-                      sampling=algorithms.registry.cohort_sampling(cfg),
+                      cfg.aggregation.weights, cfg.seed, sampling=build.sampling,
                       states_in=cfg.execution.client_states,
-                      tuning=_tuning(cfg, model, variables, client_data, work))
+                      tuning=_tuning(cfg, model, variables, client_data, work),
+                      **engine_options)
 
 
 def _groups(cfg: ml_collections.ConfigDict, client_data: ClientData, services: Services,
@@ -378,36 +350,11 @@ def _tuning(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
     return Tuning(algorithm, tune_work, executor)
 
 
-# The settings that transform what clients send, each with its value when off.
-COMMUNICATION = (("compression.upload.method", "none"), ("compression.download.method", "none"),
-                 ("compression.mask_before", "none"), ("privacy.clip", 0))
-
-
-def _setting(cfg: ml_collections.ConfigDict, key: str) -> Any:
-    """The value of dotted `key` in `cfg`."""
-    for part in key.split("."):
-        cfg = cfg[part]
-    return cfg
-
-
-def _communication_setting(cfg: ml_collections.ConfigDict) -> Optional[str]:
-    """The first of `COMMUNICATION` that is on, as 'key=value' (None: clients send their
-    outputs as they are)."""
-    for key, off in COMMUNICATION:
-        value = _setting(cfg, key)
-        if value != off:
-            return f"{key}={value!r}"
-    return None
-
-
 def _check_model_view(algorithm: Any, variables: Any, num_classes: int,
-                      cfg: ml_collections.ConfigDict, what: Optional[str] = None) -> None:
+                      cfg: ml_collections.ConfigDict, what: str) -> None:
     """ConfigError unless the algorithm's outputs stand for models (`model_view`): what
-    the configured attack, aggregation rule, compression or privacy (`what`) changes or
+    the setting `what` (a feature's, or a model-space aggregation rule) changes or
     combines."""
-    what = what or (f"attack.kind={cfg.attack.kind!r}"
-                    if cfg.attack.kind in attacks.MODEL_ATTACKS
-                    else f"aggregation.rule={cfg.aggregation.rule!r}")
     ctx = placeholder_context(num_classes)
     view = algorithm.model_view
     try:

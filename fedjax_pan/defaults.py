@@ -10,6 +10,7 @@ from typing import Any, Mapping
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from fedjax_pan.algorithms import aggregation, features
 from fedjax_pan.algorithms.registry import ALGORITHMS
 
 
@@ -50,59 +51,16 @@ def default_config() -> ml_collections.ConfigDict:
         "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-5, "grad_clip": 100.0,
         "warmup": "rounds", "warmup_length": 10})
     c.server = ml_collections.ConfigDict({"optimizer": "sgd", "lr": 1.0, "momentum": 0.0})
-    # rule: 'mean' (weighted by `weights`), or robust 'median' / 'trimmed_mean' (cut `trim`
-    # of the clients at each end, per coordinate), 'multi_krum' (tolerating `byzantine`
-    # clients a round, averaging the `krum_keep` best; None: all but `byzantine`) or
-    # 'geometric_median' (RFA), each over the round's outputs (engine/robust.py).
-    # Model-space rules on the server's held-out public set (dataset.public_size, 1,000
-    # by default): 'zeno' (keep all but `byzantine` by descent on it, less rho times the
-    # squared step), 'sageflow' (entropy filter, loss weights, staleness groups; gamma
-    # halves every gamma_period rounds when clients can be late) and 'fedasync' (mixing
-    # weight times s(staleness), s polynomial, hinge or constant) (engine/staleness.py).
+    # rule: one of `algorithms.aggregation.RULES` (each entry's summary says what it does);
+    # the keys the rules read (trim, byzantine, zeno.rho, ...) join the section with the
+    # defaults their entries declare.
     c.aggregation = ml_collections.ConfigDict({
-        "weights": "uniform", "bn": "mean", "rule": "mean", "trim": 0.1, "byzantine": 0,
-        "krum_keep": placeholder(int),
-        "zeno": {"rho": 5e-4},
-        "sageflow": {"entropy_threshold": 1.0, "delta": 1.0, "lam": 0.5,
-                     "gamma_period": 20, "min_weight": 1e-3},
-        "fedasync": {"mixing": 0.6, "staleness": "polynomial", "a": 0.5, "b": 4.0}})
-    # Clients that answer late (engine/timing.py): delays uniform over {0..max_delay}, or
-    # 'slow': a slow_share of the clients always max_delay late; the server waits for
-    # all, waits for wait_share, ignores late outputs, or uses them stale. 0: none.
-    # forced: delays given to the first free clients of each round in a random order from
-    # (seed, round) (the SageFlow authors' (0, 1, 2): every staleness group gets one), the
-    # rest drawn.
-    c.straggler = ml_collections.ConfigDict({"max_delay": 0, "delays": "uniform",
-                                             "slow_share": 0.2, "policy": "stale",
-                                             "wait_share": 0.5, "forced": ()})
-    # Malicious clients (algorithms/attacks.py): `fraction` of them, drawn once per seed
-    # (draw 'fixed'), or exactly int(M fraction) of each round's cohort of M ('per_round',
-    # the SageFlow authors'), from round start_round; scale unset: the kind's default
-    # (model_poisoning 0.1, sign_flip 4, gaussian 1, backdoor's boost 10); backdoor: `poisoned` of each batch
-    # carry the pattern and label `target`.
-    c.attack = ml_collections.ConfigDict({"kind": "none", "fraction": 0.2, "start_round": 0,
-                                          "scale": placeholder(float), "target": 2,
-                                          "poisoned": 20 / 64, "draw": "fixed"})
-    # What clients send and receive (compression.py, algorithms/compressed.py): method
-    # 'none', 'top_k' / 'random_k' (keep `ratio` of each layer), 'qsgd' (`levels`), 'sign',
-    # 'quantize' (`bits`), or the post-training masks 'magnitude_mask' / 'importance_mask'
-    # (keep `ratio` of each layer's weights: the model is sent, not its update);
-    # quantize_bits > 0 quantises the values a sparsifier keeps; error_feedback keeps the
-    # sender's residual. vote: majority vote over sign messages. mask_before: the slides'
-    # pre-training mask ('magnitude' or 'importance', keeping `ratio`) whose other weights
-    # an L1 term of strength mask_l1 pushes to 0 during local training.
-    method = {"method": "none", "ratio": 0.1, "levels": 16, "bits": 8, "quantize_bits": 0,
-              "error_feedback": False}
-    c.compression = ml_collections.ConfigDict({
-        "upload": dict(method), "download": dict(method), "vote": False,
-        "mask_before": "none", "mask_l1": 1e-4})
-    # DP-FedAvg (algorithms/dp.py) when clip > 0: updates clipped to `clip` (adaptive: its
-    # start, moved towards the `quantile` of update norms at rate clip_lr, counting noise
-    # count_std, None: m / 20), noise multiplier z on the sum, epsilon at `delta` logged
-    # each evaluated round (privacy.py).
-    c.privacy = ml_collections.ConfigDict({
-        "clip": 0.0, "noise_multiplier": 0.0, "delta": 1e-5, "adaptive": False,
-        "quantile": 0.5, "clip_lr": 0.2, "count_std": placeholder(float)})
+        "weights": "uniform", "bn": "mean", "rule": "mean",
+        **aggregation.config_options()})
+    # The cross-cutting features, each described by its entry (`algorithms.features`):
+    # shuffle (PAN's Alg. 2), attack, compression, privacy (DP-FedAvg), straggler.
+    for section, options in features.default_sections().items():
+        c[section] = options
     # 'uniform': round(R K) clients a round; 'poisson': each client with probability R;
     # 'auto': Poisson under DP-FedAvg (privacy.clip > 0; its analysis), else uniform.
     c.sampling = "auto"
@@ -116,8 +74,6 @@ def default_config() -> ml_collections.ConfigDict:
     # scored on for this many epochs of its own data (FedAvg-C; algorithms/finetune.py).
     c.eval = ml_collections.ConfigDict({"every": 1, "batch_size": 1000, "local": False,
                                         "finetune_epochs": 0.0})
-    # Alg. 2: shuffle hidden neurons during local training, N_sf times per round expected.
-    c.shuffle = ml_collections.ConfigDict({"n_sf": 0.0, "p_sf": 0.1, "window": placeholder(float)})
     c.checkpoint_every = 10
     # A round whose mean training loss exceeds this stops the run as diverged (cross-entropy
     # of a uniform guess is ln C, 2.3 for 10 classes; the paper's runs stay below 3).

@@ -4,7 +4,7 @@ departures: the catalogue behind docs/FIDELITY.md.
 Kinds and where each declares its references (`fedjax_pan.references.Reference`):
 
     algorithm     `config.algorithm`            its `AlgorithmEntry.reference`
-    aggregation   `config.aggregation.rule`     `algorithms.registry.RULE_REFERENCES`
+    aggregation   `config.aggregation.rule`     its `algorithms.aggregation.RuleEntry.reference`
     attack        `config.attack.kind`          `algorithms.attacks.REFERENCES`
     compression   `config.compression`          `compression.REFERENCES`
     privacy       `config.privacy`, sampling    `algorithms.dp.REFERENCES`
@@ -26,7 +26,7 @@ import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from fedjax_pan import compression
-from fedjax_pan.algorithms import attacks, dp
+from fedjax_pan.algorithms import aggregation, attacks, dp
 from fedjax_pan.algorithms import registry
 from fedjax_pan.references import Reference
 
@@ -48,7 +48,7 @@ def names(kind: str) -> Tuple[str, ...]:
     if kind == "algorithm":
         return tuple(registry.ALGORITHMS)
     if kind == "aggregation":
-        return tuple(registry.AGGREGATION_RULES)
+        return tuple(aggregation.RULES)
     if kind == "attack":
         return tuple(a for a in attacks.ATTACKS if a != "none")
     if kind == "compression":
@@ -62,7 +62,10 @@ def _declared(kind: str) -> Dict[str, Reference]:
     if kind == "algorithm":
         return {k: e.reference for k, e in registry.ALGORITHMS.items()
                 if e.reference is not None}
-    return {"aggregation": registry.RULE_REFERENCES, "attack": attacks.REFERENCES,
+    if kind == "aggregation":
+        return {k: e.reference for k, e in aggregation.RULES.items()
+                if e.reference is not None}
+    return {"attack": attacks.REFERENCES,
             "compression": compression.REFERENCES, "privacy": dp.REFERENCES}[kind]
 
 

@@ -1,6 +1,6 @@
 """A permissioned ledger per FL channel: blocks, transactions, signatures, content-addressed
-arrays and the audit that replays them (FLChain, Majeed & Hong 2019; the driver is
-`fedjax_pan.algorithms.flchain`).
+arrays and the audit that replays them (FLChain, Majeed & Hong 2019; the driver, whose
+update rule the audit is given, is `fedjax_pan.algorithms.flchain`).
 
 Layout under `<workdir>/ledger/`:
     objects/<sha256>              arrays (a device's update, a global model), named by digest
@@ -43,15 +43,12 @@ anchor inside the folder an attacker controls anchors nothing.
 What `verify` checks: every object against its digest; each block's exact keys, hash,
 previous-block link, previous votes' digest, Merkle root, votes (signature, order, one per
 validator, quorum), every transaction's signature and round, and every global model
-recomputed from the stored updates; with `validators`, the genesis's validator keys; with
+recomputed from the stored updates by the update rule it is given (FLChain's
+`flchain.audit`); with `validators`, the genesis's validator keys; with
 `anchor`, those keys and each channel's head hash, its votes and its height (a block
 deleted from the end, or one appended). Without an anchor it checks internal consistency
-only, and says so (`counts["anchored"]` False).
-
-    python -m fedjax_pan.ledger WORKDIR [--anchor FILE] [--validators sha256:HEX|FILE]
-        exit 0 verified, 1 a fault named in one line, 2 bad input (or a ledger format this
-        verifier does not read); without --anchor, the anchor in WORKDIR/summary.json is
-        used, with a note that it only binds a folder nobody else wrote
+only, and says so (`counts["anchored"]` False). Its command line is FLChain's:
+`python -m fedjax_pan.algorithms.flchain_cli WORKDIR [--anchor FILE] [--validators ...]`.
 """
 
 from __future__ import annotations
@@ -60,8 +57,7 @@ import hashlib
 import json
 import os
 import struct
-import sys
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import numpy as np
@@ -76,7 +72,8 @@ __all__ = ["LedgerError", "LedgerFormatError", "LEDGER_FORMAT", "canonical", "sh
            "merkle_root", "encode_tree", "decode_tree", "encode_with_root", "state_root",
            "new_key", "Keys", "keys_path", "public_hex", "sign", "signature_valid",
            "transaction", "registration", "tx_body", "block_hash", "votes_digest",
-           "fingerprint", "anchor", "read_anchor", "Ledger", "verify", "quorum", "tolerated"]
+           "fingerprint", "anchor", "read_anchor", "Ledger", "verify", "ReplayRule", "quorum",
+           "tolerated"]
 
 # 1: the first ledgers (keys drawn from the seed, no format field, votes outside the chain);
 # 2: keys from the OS, `prev_votes` in every header, exact key sets, a trust anchor.
@@ -566,20 +563,27 @@ class _Located(LedgerError):
     """A fault whose message already names the block it lies in (not the one checked)."""
 
 
-def verify(workdir: str, *, anchor: Optional[Dict[str, Any]] = None,
+# rule(genesis header, its devices' keys {id: public key}, the initial model as a flat
+# {path: array}) -> the channel's replayed state after its genesis, under the update rule
+# the header names: `genesis_header`, `keys`, `round`, `root` and `digest` (of its global
+# model), `decode_update(bytes)`, and `apply(updates, examples, round)` -> the state after
+# a block (FLChain's `flchain.Replay`).
+ReplayRule = Callable[[Dict[str, Any], Dict[int, str], Dict[str, np.ndarray]], Any]
+
+
+def verify(workdir: str, rule: ReplayRule, *, anchor: Optional[Dict[str, Any]] = None,
            validators: Union[None, str, Sequence[str]] = None,
            progress: bool = False) -> Dict[str, Any]:
     """Replays the ledger of the run in `workdir`: every block's keys, hash link, votes,
     Merkle and state root, every signature, every object's digest, and every global model
-    recomputed from the stored updates by the channel's rule (internal consistency). With
+    recomputed from the stored updates by the channel's update rule, `rule` (internal
+    consistency; FLChain's is `flchain.audit(server_optimizer)`). With
     `validators` (their fingerprint, or their public keys) each genesis must name exactly
     those validators; with `anchor` (`anchor`'s form) too, and each channel must end in the
     anchor's head: its hash, its votes' digest, its height. Returns counts and
     `anchored` (whether the anchor was checked: without it, a history rewritten by whoever
     holds the keys, or cut short, passes). Raises LedgerError locating the first fault
     (LedgerFormatError for a ledger of another format)."""
-    from fedjax_pan.algorithms import flchain  # the channel's update rule
-
     if anchor is not None:
         check_anchor(anchor)
     expected = []  # (fingerprint, whose) the genesis validators must have
@@ -617,7 +621,7 @@ def verify(workdir: str, *, anchor: Optional[Dict[str, Any]] = None,
                unit="block", disable=None if progress else True, leave=False)
     try:
         for j in channels:
-            replay = None
+            state = None
             prev = None
             if heights[j] != list(range(len(heights[j]))):
                 missing = sorted(set(range(max(heights[j]) + 1)) - set(heights[j]))
@@ -628,7 +632,7 @@ def verify(workdir: str, *, anchor: Optional[Dict[str, Any]] = None,
                 block = ledger.read(j, height)
                 where = f"{ledger.block_path(j, height)} (block {height} of channel {j})"
                 try:
-                    replay = _check_block(ledger, block, j, height, prev, replay, flchain)
+                    state = _check_block(ledger, block, j, height, prev, state, rule)
                     if height == 0:
                         ours = fingerprint(block["header"]["validators"])
                         for want, whose in expected:
@@ -729,8 +733,9 @@ def _structure(block: Dict[str, Any], height: int) -> None:
 
 
 def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: int,
-                 prev: Optional[Dict[str, Any]], replay: Any, flchain: Any) -> Any:
-    """One block against its predecessor; returns the channel's replayed state after it."""
+                 prev: Optional[Dict[str, Any]], replay: Any, rule: ReplayRule) -> Any:
+    """One block against its predecessor (`replay`: the channel's replayed state before it,
+    from `rule`); returns the channel's replayed state after it."""
     _structure(block, height)
     h = block["header"]
     if block_hash(h) != block["hash"]:
@@ -768,7 +773,7 @@ def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: in
         model = decode_tree(_object(ledger, h["model"], "its initial model"))
         if state_root(model) != h["state_root"]:  # paths are the flat dict's keys
             raise LedgerError("its initial model does not match its state root")
-        return flchain.Replay.genesis(h, keys, model)
+        return rule(h, keys, model)
     genesis = replay.genesis_header
     why = check_votes(block, genesis["validators"], genesis["quorum"])
     if why:
@@ -807,99 +812,8 @@ def _check_block(ledger: Ledger, block: Dict[str, Any], channel: int, height: in
     return replay
 
 
-USAGE = ("usage: python -m fedjax_pan.ledger WORKDIR [--anchor FILE] "
-         "[--validators sha256:HEX|FILE] (verifies the run's ledger)")
-
-
-def _arguments(argv: List[str]) -> Tuple[str, Optional[str], Optional[str]]:
-    """(workdir, anchor file, validators) from the command line; ValueError saying why not."""
-    workdir, options = None, {"--anchor": None, "--validators": None}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, value = arg.partition("=")
-        if name in options:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ValueError(f"{name} needs a value")
-                i, value = i + 1, argv[i + 1]
-            if options[name] is not None:
-                raise ValueError(f"{name} given twice")
-            options[name] = value
-        elif arg.startswith("-") or workdir is not None:
-            raise ValueError(f"unexpected argument {arg!r}")
-        else:
-            workdir = arg
-        i += 1
-    if workdir is None:
-        raise ValueError("expected one WORKDIR")
-    return workdir, options["--anchor"], options["--validators"]
-
-
 def anchor_text(workdir: str, anchor: Dict[str, Any]) -> str:
     """What a run prints at its end: its anchor, to be kept outside the workdir."""
-    return (f"ledger anchor of {workdir} (keep a copy outside it; `python -m fedjax_pan.ledger "
-            f"{workdir} --anchor COPY` checks the ledger against it):\n"
-            + json.dumps(anchor, sort_keys=True))
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    # Bad input (exit 2) is a wrong command line, a folder without a ledger, an unreadable
-    # anchor or a ledger of another format; a ledger that does not verify exits 1.
-    try:
-        workdir, anchor_file, validators_arg = _arguments(argv)
-    except ValueError as e:
-        print(f"error: {e}, got {argv}; {USAGE}", file=sys.stderr)
-        return 2
-    if not os.path.isdir(os.path.join(workdir, "ledger")):
-        print(f"error: {workdir!r} holds no ledger (not an FLChain run's workdir)",
-              file=sys.stderr)
-        return 2
-    summary = os.path.join(workdir, "summary.json")
-    try:
-        validators = None if validators_arg is None else read_validators(validators_arg)
-        if anchor_file is not None:
-            anchor_obj = read_anchor(anchor_file)
-        elif os.path.isfile(summary):
-            with open(summary) as f:
-                found = json.load(f)
-            found = found.get("ledger_anchor") if isinstance(found, dict) else None
-            anchor_obj = None if found is None else check_anchor(found)
-        else:
-            anchor_obj = None
-    except (OSError, ValueError) as e:
-        print(f"error: cannot read the anchor or validators: {e}", file=sys.stderr)
-        return 2
-    try:
-        counts = verify(workdir, anchor=anchor_obj, validators=validators, progress=True)
-    except LedgerFormatError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (LedgerError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    what = (f"{counts['channels']} channel(s), {counts['blocks']} blocks, "
-            f"{counts['transactions']} transactions")
-    if anchor_obj is not None:
-        heads = ", ".join(f"channel {c['channel']} at block {c['height']}"
-                          for c in anchor_obj["channels"])
-        print(f"ledger of {workdir} verified against the anchor in "
-              f"{anchor_file or summary}: {what}; validators sha256 "
-              f"{anchor_obj['validators_sha256'][:16]}..., heads {heads}")
-        if anchor_file is None:
-            print(f"note: that anchor lies in the folder it vouches for, so whoever can "
-                  f"rewrite the ledger can rewrite it too: it catches accidents, not forgery; "
-                  f"pass --anchor with the copy the run's owner kept")
-    else:
-        print(f"ledger of {workdir} verified for internal consistency only: {what}"
-              + (f"; its validators are the expected ones (sha256 {validators[:16]}...)"
-                 if validators else ""))
-        print(f"note: no anchor given and none in {summary}: a history rewritten and "
-              f"re-signed by whoever holds the run's keys, or cut short, would pass; pass "
-              f"--anchor FILE (the anchor the run printed, or a copy of its summary.json)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return (f"ledger anchor of {workdir} (keep a copy outside it; `python -m "
+            f"fedjax_pan.algorithms.flchain_cli {workdir} --anchor COPY` checks the ledger "
+            f"against it):\n" + json.dumps(anchor, sort_keys=True))

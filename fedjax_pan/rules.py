@@ -78,3 +78,19 @@ def directory(value: Any) -> Optional[str]:
 
 def boolean(value: Any) -> Optional[str]:
     return None if isinstance(value, bool) else "true or false"
+
+
+def check_options(rules: "dict[str, Rule]", name: str, **values: Any) -> None:
+    """ValueError unless each of `values` keeps its rule in `rules` (an algorithm's RULES),
+    named as the config names it: '<name>.<option> must be <what>, got <value>'. What a
+    constructor checks of its options, so that one called without a config holds to the
+    config's ranges."""
+    for key, value in values.items():
+        rule = rules[key]
+        if getattr(value, "shape", None) == () and hasattr(value, "item"):
+            value = value.item()  # a NumPy or JAX scalar, as a caller may pass one
+        if value is None and rule.optional:
+            continue
+        want = "set" if value is None else rule.check(value)
+        if want is not None:
+            raise ValueError(f"{name}.{key} must be {want}, got {value!r}")

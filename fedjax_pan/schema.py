@@ -16,23 +16,16 @@ import ml_collections
 
 from fedjax_pan import models
 from fedjax_pan.algorithms.fedavg import BN_MODES
+from fedjax_pan.algorithms import aggregation, features
 from fedjax_pan.algorithms.local import WARMUPS
-from fedjax_pan.algorithms.dp import counting_std
-from fedjax_pan.algorithms.registry import (AGGREGATION_RULES, ALGORITHMS, SAMPLING_CHOICES,
-                                            SERVER_OPTIMIZERS, cohort_sampling,
-                                            expected_clients)
+from fedjax_pan.algorithms.sampling import CHOICES as SAMPLING_CHOICES
+from fedjax_pan.algorithms.registry import ALGORITHMS, SERVER_OPTIMIZERS
 from fedjax_pan.data.partition import SCHEMES
 from fedjax_pan.data.sources import DATASETS, GROUPED_DATASETS, NORMALIZATIONS
 from fedjax_pan.engine.clients import AUGMENTS, STEP_MODES
 from fedjax_pan.engine.execution import STRATEGIES
 from fedjax_pan.engine.store import PLACES
-from fedjax_pan.engine.robust import krum_kept
-from fedjax_pan.engine.simulation import AGGREGATIONS, clients_per_round
-from fedjax_pan.engine.staleness import FEDASYNC_KINDS
-from fedjax_pan.engine.timing import DELAYS, POLICIES, forced_error
-from fedjax_pan.algorithms.attacks import ATTACKS, DRAWS
-from fedjax_pan.algorithms.compressed import MASK_SCORES
-from fedjax_pan.compression import METHODS
+from fedjax_pan.engine.simulation import AGGREGATIONS
 from fedjax_pan.errors import ConfigError, require
 from fedjax_pan.models.layers import parse_norm
 from fedjax_pan.pan import KINDS
@@ -98,49 +91,9 @@ RULES: Dict[str, Rule] = {
     "server.momentum": between(0, 1, hi_open=True),
     "aggregation.weights": one_of(AGGREGATIONS),
     "aggregation.bn": one_of(BN_MODES),
-    "aggregation.rule": one_of(AGGREGATION_RULES),
-    "aggregation.trim": between(0, 0.5, hi_open=True),
-    "aggregation.byzantine": between(0, 1e5, integer=True),
-    "aggregation.krum_keep": between(1, 1e5, integer=True, optional=True),
-    "aggregation.zeno.rho": between(0, 1e4),
-    "aggregation.sageflow.entropy_threshold": between(1e-6, 100),
-    "aggregation.sageflow.delta": between(0, 10),
-    "aggregation.sageflow.lam": between(0, 10),
-    "aggregation.sageflow.gamma_period": between(0, 1e6, integer=True),
-    "aggregation.sageflow.min_weight": between(0, 1e6),
-    "aggregation.fedasync.mixing": between(0, 1, lo_open=True),
-    "aggregation.fedasync.staleness": one_of(FEDASYNC_KINDS),
-    "aggregation.fedasync.a": between(0, 100),
-    "aggregation.fedasync.b": between(0, 1e6),
-    "straggler.max_delay": between(0, 100, integer=True),
-    "straggler.delays": one_of(DELAYS),
-    "straggler.slow_share": between(0, 1),
-    "straggler.policy": one_of(POLICIES),
-    "straggler.wait_share": between(0, 1, lo_open=True),
-    "straggler.forced": Rule(forced_error),
-    "attack.kind": one_of(ATTACKS),
-    "attack.fraction": between(0, 1),
-    "attack.start_round": between(0, 1e6, integer=True),
-    "attack.scale": between(0, 1e4, optional=True),
-    "attack.target": between(0, 1e5, integer=True),
-    "attack.poisoned": between(0, 1),
-    "attack.draw": one_of(DRAWS),
-    **{f"compression.{side}.{key}": rule for side in ("upload", "download")
-       for key, rule in {"method": one_of(METHODS), "ratio": between(0, 1, lo_open=True),
-                         "levels": between(1, 2**16, integer=True),
-                         "bits": between(1, 16, integer=True),
-                         "quantize_bits": between(0, 16, integer=True),
-                         "error_feedback": Rule(boolean)}.items()},
-    "compression.vote": Rule(boolean),
-    "compression.mask_before": one_of(("none",) + MASK_SCORES),
-    "compression.mask_l1": between(0, 1e4),
-    "privacy.clip": between(0, 1e6),
-    "privacy.noise_multiplier": between(0, 1e4),
-    "privacy.delta": between(0, 1, lo_open=True, hi_open=True),
-    "privacy.adaptive": Rule(boolean),
-    "privacy.quantile": between(0, 1),
-    "privacy.clip_lr": between(0, 100),
-    "privacy.count_std": between(0, 1e6, lo_open=True, optional=True),
+    # rule, and the keys the rules read, as their entries declare them
+    **{f"aggregation.{key}": rule for key, rule in aggregation.config_rules().items()},
+    **features.rules(),
     "sampling": one_of(SAMPLING_CHOICES),
     "execution.strategy": one_of(STRATEGIES),
     "execution.block_size": between(1, 1e5, integer=True, optional=True),
@@ -149,9 +102,6 @@ RULES: Dict[str, Rule] = {
     "eval.batch_size": between(1, 1e6, integer=True),
     "eval.local": Rule(boolean),
     "eval.finetune_epochs": between(0, 1000),
-    "shuffle.n_sf": between(0, 1000),
-    "shuffle.p_sf": between(0, 1),
-    "shuffle.window": between(0, 1, lo_open=True, optional=True),
     "checkpoint_every": between(1, 1e6, integer=True),
     "max_train_loss": between(0, 1e30, lo_open=True),  # float32 losses reach 3.4e38
 }
@@ -218,23 +168,19 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
             f"({', '.join(GROUPED_DATASETS)}), got dataset.name={cfg.dataset.name!r}")
     require(cfg.local.mode != "steps" or cfg.local.local_steps is not None,
             "config.local.local_steps must be set for local.mode='steps'")
-    require(all(d <= cfg.straggler.max_delay for d in cfg.straggler.forced),
-            f"config.straggler.forced delays must be at most straggler.max_delay = "
-            f"{cfg.straggler.max_delay}, got {tuple(cfg.straggler.forced)}")
     for name, overrides in (cfg.get("variants") or {}).items():
         require(isinstance(overrides, (dict, ml_collections.ConfigDict)),
                 f"config.variants.{name} must map config keys to values, got {overrides!r}")
-    agg = cfg.aggregation
-    if agg.rule == "multi_krum":
-        m = clients_per_round(cfg.participation, p.num_clients)
+    rule = aggregation.RULES[cfg.aggregation.rule]
+    if rule.check is not None:
         try:
-            krum_kept(m, agg.byzantine, agg.krum_keep)
+            rule.check(cfg)
         except ValueError as e:
-            raise ConfigError(f"config.aggregation.rule='multi_krum' with "
-                              f"aggregation.byzantine = {agg.byzantine} and "
-                              f"aggregation.krum_keep = {agg.krum_keep} ({m} clients a "
-                              f"round): {e}") from None
-    _communication_checks(cfg)
+            raise ConfigError(f"config.{e}") from None
+    try:
+        features.check(cfg)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None
     entry = ALGORITHMS[cfg.algorithm]
     # Without a test part per client, a personalised algorithm's models are never scored:
     # its run would report an untrained or a FedAvg model under its name.
@@ -256,46 +202,6 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
             entry.check(cfg)
         except ValueError as e:
             raise ConfigError(f"config.{e}") from None
-
-
-def _communication_checks(cfg: ml_collections.ConfigDict) -> None:
-    """Compression, privacy and sampling settings that exclude each other."""
-    comp, dp = cfg.compression, cfg.privacy
-    require(not comp.vote or comp.upload.method == "sign",
-            f"config.compression.vote needs compression.upload.method='sign', got "
-            f"{comp.upload.method!r}")
-    require(comp.download.method not in ("magnitude_mask", "importance_mask"),
-            f"config.compression.download.method={comp.download.method!r}: masks prune "
-            f"a client's model before it is sent; the download sends the global update")
-    require(comp.download.method == "none" or cfg.straggler.max_delay == 0,
-            "config.compression.download needs straggler.max_delay=0 (a late client's "
-            "download would be counted against a model it did not hold)")
-    require(cohort_sampling(cfg) == "uniform" or cfg.straggler.max_delay == 0,
-            "config.sampling='poisson' needs straggler.max_delay=0")
-    if dp.clip > 0:
-        require(cfg.aggregation.weights == "uniform",
-                f"config.privacy.clip > 0 (DP-FedAvg) needs aggregation.weights='uniform' "
-                f"(each client's sensitivity is the clip norm), got "
-                f"{cfg.aggregation.weights!r}")
-        require(cfg.aggregation.rule == "mean",
-                f"config.privacy.clip > 0 (DP-FedAvg) adds its noise to the clients' sum: "
-                f"aggregation.rule must be 'mean', got {cfg.aggregation.rule!r}")
-        require(comp.download.method == "none" and not comp.vote,
-                "config.privacy.clip > 0 (DP-FedAvg) clips updates against the model the "
-                "server sends: set compression.download.method='none' and "
-                "compression.vote=False")
-        require(cfg.straggler.max_delay == 0,
-                "config.privacy.clip > 0 (DP-FedAvg) needs straggler.max_delay=0")
-        if dp.adaptive and dp.noise_multiplier > 0:
-            std = counting_std(dp.count_std, expected_clients(cfg, cfg.partition.num_clients))
-            require(dp.noise_multiplier < 2 * std,
-                    f"config.privacy.noise_multiplier = {dp.noise_multiplier} must be below "
-                    f"2 * privacy.count_std = {2 * std:g} with privacy.adaptive (the "
-                    f"update's share of the noise, (z^-2 - (2 sigma_b)^-2)^(-1/2), must be "
-                    f"real)")
-    else:
-        require(dp.noise_multiplier == 0 and not dp.adaptive,
-                "config.privacy.noise_multiplier and privacy.adaptive need privacy.clip > 0")
 
 
 def known_keys() -> List[str]:

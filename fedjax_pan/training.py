@@ -16,6 +16,7 @@ import ml_collections
 from fedjax_pan import algorithms, distributed, reporting
 from fedjax_pan import data as data_lib
 from fedjax_pan import workdir as workdir_lib
+from fedjax_pan.algorithms import sampling
 from fedjax_pan.assembly import Experiment, build_counted, validate
 from fedjax_pan.engine import count_compiles, resolve_strategy
 from fedjax_pan.engine.evaluation import client_metrics
@@ -196,9 +197,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
 
     with count_compiles() as compiles:
         # A driver that keeps records beside the run (FLChain's ledger) learns where.
-        attach = getattr(exp.simulation, "attach", None)
-        if attach is not None:
-            attach(workdir, resume)
+        exp.simulation.attach(workdir, resume)
         state = exp.simulation.init(exp.variables)
         metrics_path = os.path.join(workdir, "metrics.jsonl")
         restored = {"tree": None}
@@ -340,16 +339,14 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
     summary = {**reporting.summarize(rows), "rounds": state.round,
                "wall_seconds": totals["wall_seconds"], "strategy": exp.strategy, "num_clients": len(exp.client_indices),
                "clients_per_round": exp.simulation.num_sampled,
-               "sampling": algorithms.registry.cohort_sampling(cfg),
+               "sampling": sampling.cohort_sampling(cfg),
                "padding_efficiency": (totals["real_examples"] / totals["computed_examples"]
                                       if totals["computed_examples"] else None),
                "compiles": totals["compiles"],
                "compiles_after_first_round": totals["compiles_after_first_round"],
                "processes": totals["processes"],
                "distributed_processes": distributed.process_count()}
-    report = getattr(exp.simulation, "report", None)  # a driver's own record (FLChain's anchor)
-    if report is not None:
-        summary.update(report(state))
+    summary.update(exp.simulation.report(state))  # a driver's own record (FLChain's anchor)
     # summary.json marks a finished run (scripts read it back on --resume), so it comes
     # after the curve, and a signal waits until both are written.
     if not primary:

@@ -160,7 +160,7 @@ def test_loop_vmap_and_reference_agree(norm):
 
 def test_options_are_checked():
     _, model, variables, tx = pfl_setup()
-    with pytest.raises(ValueError, match=r"dr_lr >= 0 .*got 0.05, -1.0, 0.0"):
+    with pytest.raises(ValueError, match=r"apple.dr_lr must be a number in .*got -1.0"):
         apple(model, tx, 0.05, 6, dr_lr=-1.0)
     cfg = default_config()
     cfg.algorithm, cfg.apple.l_share, cfg.rounds = "apple", 0.5, 8

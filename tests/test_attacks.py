@@ -14,7 +14,7 @@ import pytest
 from conftest import tiny_clients, tiny_fedavg
 from fedjax_pan import assembly, experiment
 from fedjax_pan.algorithms import attacks
-from fedjax_pan.algorithms.core import median
+from fedjax_pan.algorithms.aggregation import median
 from fedjax_pan.engine import ClientData, LocalWork, Simulation, make_executor
 from fedjax_pan.errors import ConfigError
 
@@ -81,6 +81,17 @@ def test_per_round_attackers_agree_across_strategies():
     jax.tree_util.tree_map(lambda h, b: np.testing.assert_allclose(b, -4.0 * h, rtol=1e-4,
                                                                    atol=1e-6),
                            d_honest, d_bad)
+
+
+def test_every_kind_has_its_functions_reference_and_order():
+    assert attacks.ATTACKS == ("none", "model_poisoning", "sign_flip", "gaussian",
+                               "label_shift", "label_flip", "backdoor")
+    assert set(attacks.ATTACKS[1:]) == set(attacks.DATA_ATTACKS) | set(attacks.MODEL_ATTACKS)
+    assert set(attacks.ATTACKS[1:]) == set(attacks.REFERENCES)
+    assert set(attacks.DEFAULT_SCALE) <= set(attacks.ATTACKS)
+    assert "backdoor" in attacks.DATA_ATTACKS and "backdoor" in attacks.MODEL_ATTACKS
+    with pytest.raises(ValueError, match="unknown attack 'nope'"):
+        attacks.with_attack(_ALGO, attacks.Attack("nope", 10), np.zeros(6, bool))
 
 
 def _batch(rows=8, real=6):

@@ -15,8 +15,9 @@ import pytest
 from conftest import tiny_clients, tiny_fedavg
 from fedjax_pan import compression as comp
 from fedjax_pan import experiment
-from fedjax_pan.algorithms import compressed, registry
-from fedjax_pan.algorithms.core import median, tree_bytes
+from fedjax_pan.algorithms import compressed, features
+from fedjax_pan.algorithms.aggregation import median
+from fedjax_pan.algorithms.core import tree_bytes
 from fedjax_pan.algorithms.pfedeff import pfedeff
 from fedjax_pan.algorithms.scaffold import scaffold
 from fedjax_pan.algorithms.local import client_optimizer
@@ -168,6 +169,16 @@ def test_importance_mask_before_training_scores_the_first_batch():
             assert nonzero == comp.kept(0.25, w.size)
 
 
+def test_personal_models_read_the_algorithms_own_client_state_under_error_feedback():
+    algo = pfedeff(MODEL, client_optimizer(0.05), num_clients=6)
+    wrapped = compressed.with_compression(algo, VARIABLES, comp.error_feedback(comp.top_k(0.2)))
+    server = wrapped.server_init(VARIABLES)
+    client_state = wrapped.client_state_init(server)
+    assert isinstance(client_state, compressed.CompressedClient)
+    _close(wrapped.personal_variables(server, client_state),
+           algo.personal_variables(server, client_state.inner), atol=0)
+
+
 def test_refusals():
     sc = scaffold(MODEL, client_optimizer(0.05), 0.05)
     with pytest.raises(ValueError, match="neither"):
@@ -183,9 +194,10 @@ def test_refusals():
                                     download=comp.top_k(0.1), num_clients=6)
 
 
-def test_config_with_everything_off_leaves_the_algorithm_as_it_is():
-    cfg = config()
-    assert registry.communication_from_config(FEDAVG, cfg, MODEL, VARIABLES, 6) is FEDAVG
+def test_the_default_config_turns_no_feature_on():
+    assert not list(features.active(config()))
+    assert [f.section for f, *_ in features.active(config(compression__mask_before="magnitude"))] \
+        == ["compression"]
 
 
 def test_byte_totals_count_every_round(tmp_path):

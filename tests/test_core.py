@@ -1,4 +1,5 @@
-"""The algorithm interface: aggregation rules, and what clients and the server are told."""
+"""The algorithm interface: the mean rule, stacked rules under every execution strategy,
+and what clients and the server are told."""
 
 from typing import NamedTuple
 
@@ -9,30 +10,12 @@ import pytest
 
 from conftest import max_rel_err, tiny_clients, tiny_fedavg
 from fedjax_pan.algorithms import core
+from fedjax_pan.algorithms.aggregation import trimmed_mean
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.reference import reference_round
 
 SIZES = [27, 39, 19, 36, 62, 13]
 WORK = LocalWork(batch_size=8, epochs=1.0)
-
-
-@pytest.mark.reference("aggregation", "median", "trimmed_mean")
-def test_median_and_trimmed_mean_match_numpy():
-    rng = np.random.default_rng(0)
-    outs = {"a": rng.normal(size=(7, 3, 4)).astype(np.float32),
-            "b": rng.normal(size=(7,)).astype(np.float32)}
-    weights = jnp.full((7,), 1 / 7)
-    med = core.median().finalize(jax.tree_util.tree_map(jnp.asarray, outs), weights)
-    for k in outs:
-        np.testing.assert_allclose(med[k], np.median(outs[k], axis=0), rtol=1e-6)
-    trimmed = core.trimmed_mean(0.2).finalize(jax.tree_util.tree_map(jnp.asarray, outs), weights)
-    for k in outs:  # floor(0.2 * 7) = 1 value cut at each end
-        want = np.sort(outs[k], axis=0)[1:6].mean(axis=0)
-        np.testing.assert_allclose(trimmed[k], want, rtol=1e-5, atol=1e-7)
-    full = core.trimmed_mean(0.0).finalize({"b": jnp.asarray(outs["b"])}, weights)
-    np.testing.assert_allclose(full["b"], outs["b"].mean(), rtol=1e-6)
-    with pytest.raises(ValueError, match="trim in"):
-        core.trimmed_mean(0.5)
 
 
 @pytest.mark.reference("aggregation", "mean")
@@ -55,18 +38,6 @@ def test_the_mean_rule_is_fedavgs_weighted_average(aggregation):
     for a, b in zip(jax.tree_util.tree_leaves(new.server.params),
                     jax.tree_util.tree_leaves(want)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_robust_rules_ignore_one_client_sending_huge_values():
-    honest = np.random.default_rng(1).normal(size=(9, 5)).astype(np.float32)
-    attacked = honest.copy()
-    attacked[3] = 1e30
-    w = jnp.full((9,), 1 / 9)
-    for rule in (core.median(), core.trimmed_mean(0.2)):
-        out = np.asarray(rule.finalize({"x": jnp.asarray(attacked)}, w)["x"])
-        assert np.all(np.abs(out) < 3.0), out  # bounded by the honest clients' values
-    mean = core.weighted_mean.finalize({"x": jnp.asarray(attacked.sum(0) / 9)}, jnp.float32(1))
-    assert np.all(np.asarray(mean["x"]) > 1e28)  # the mean is not robust
 
 
 class _Seen(NamedTuple):
@@ -144,10 +115,11 @@ def test_the_reference_tells_clients_the_same():
 
 
 def test_stacked_rules_give_the_same_numbers_under_every_strategy():
-    # The rules themselves are checked against numpy above; here the stacking plumbing.
+    # The rules themselves are checked against numpy (test_aggregation.py); here the
+    # stacking plumbing.
     _, cd = tiny_clients(SIZES)
     _, variables, algo = tiny_fedavg()
-    algo = algo._replace(aggregator=core.trimmed_mean(0.34))
+    algo = algo._replace(aggregator=trimmed_mean(0.34))
     servers = {}
     for strategy, group in [("loop", None), ("vmap", 1), ("vmap", 2)]:
         ex = make_executor(strategy, algo, WORK, cd, variables, 3, group)
@@ -171,3 +143,39 @@ def test_tree_bytes_counts_every_leaf_at_its_dtype_width():
             "n": [np.zeros((), np.int64), jax.ShapeDtypeStruct((2, 2), jnp.float16)], "x": None}
     assert core.tree_bytes(tree) == 3 * 4 * 4 + 5 * 2 + 8 + 4 * 2
     assert core.tree_bytes({}) == 0
+
+
+def test_federated_algorithm_fills_the_stateless_global_model_defaults():
+    def fn(*args):
+        return args
+    algo = core.federated_algorithm(fn, fn, fn, fn, fn, aggregator=core.every_output)
+    assert algo.client_state_init is core.no_client_state
+    assert algo.eval_variables is core.server_model
+    assert algo.aggregator is core.every_output and algo.download_bytes is None
+    assert (algo.server_init, algo.client_init, algo.client_step, algo.client_output,
+            algo.server_update) == (fn,) * 5
+    named = core.federated_algorithm(fn, fn, fn, fn, fn, client_state_init=len,
+                                     eval_variables=repr)
+    assert (named.client_state_init, named.eval_variables) == (len, repr)
+
+
+def test_sends_counts_the_named_fields_and_what_a_function_picks():
+    class Server(NamedTuple):
+        a: jax.Array
+        b: dict
+
+    server = Server(jnp.zeros((3, 2), jnp.float32), {"w": jnp.zeros(5, jnp.int8)})
+    ids = jnp.arange(2)
+    assert core.sends("a")(server, ids, 0) == 24
+    assert core.sends("a", "b")(server, ids, 0) == 29
+    assert core.sends(lambda s: s.b["w"][:2], "a")(server, ids, 0) == 26
+
+
+def test_per_client_copies_and_set_rows_replaces_the_present_clients_rows():
+    store = core.per_client({"w": jnp.asarray([1.0, 2.0])}, 4)
+    assert store["w"].shape == (4, 2)
+    rows = {"w": jnp.asarray([[5.0, 5.0], [7.0, 7.0]])}
+    new = core.set_rows(store, jnp.asarray([3, 1]), rows)
+    np.testing.assert_array_equal(new["w"], [[1, 2], [7, 7], [1, 2], [5, 5]])
+    kept = core.set_rows(store, jnp.asarray([3, 1]), rows, jnp.asarray([True, False]))
+    np.testing.assert_array_equal(kept["w"], [[1, 2], [1, 2], [1, 2], [5, 5]])

@@ -167,6 +167,24 @@ def test_poisson_sampling_is_seeded_and_has_the_expected_size():
     np.testing.assert_array_equal(sim.sample(7), _sim(FEDAVG, 0.5, "poisson").sample(7))
 
 
+def test_fields_dp_does_not_change_read_the_inner_server():
+    """A personalised algorithm's functions reach DP-FedAvg's server state unwrapped."""
+    def echo(name):
+        return lambda *args: (name, *args)
+    algo = FEDAVG._replace(personal_variables=echo("personal"), personal_adapt=echo("adapt"),
+                           download_bytes=echo("download"))
+    wrapped = dp.with_dp(algo, 0.1, 0.0, 3.0, seed=0)
+    server = wrapped.server_init(VARIABLES)
+    inner = server.inner
+    assert wrapped.personal_variables(server, "cs") == ("personal", inner, "cs")
+    assert wrapped.personal_adapt(server, "cs", "batch") == ("adapt", inner, "cs", "batch")
+    assert wrapped.download_bytes(server, "ids", 2) == ("download", inner, "ids", 2)
+    assert wrapped.client_state_init(server) is None
+    for a, b in zip(jax.tree_util.tree_leaves(wrapped.eval_variables(server)),
+                    jax.tree_util.tree_leaves(FEDAVG.eval_variables(inner))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_refusals():
     bn_model, bn_variables, bn_algo = tiny_fedavg(norm="batch")
     algo = dp.with_dp(bn_algo, 1.0, 1.0, 3.0, seed=0)
@@ -189,7 +207,7 @@ def test_refusals():
 
 
 def test_sampling_defaults_to_poisson_under_dp():
-    from fedjax_pan.algorithms.registry import cohort_sampling, expected_clients
+    from fedjax_pan.algorithms.sampling import cohort_sampling, expected_clients
     assert cohort_sampling(config()) == "uniform"
     cfg = config(privacy__clip=1.0)
     assert cohort_sampling(cfg) == "poisson"

@@ -128,5 +128,5 @@ def test_lam_zero_is_local_training_and_groups_of_several_widths_share_logits():
 
 def test_bad_options_are_refused():
     _, model, _ = _setup()
-    with pytest.raises(ValueError, match=r"lam >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"fd.lam must be a number in \[0, 10000\], got -1"):
         fd(model, optax.sgd(0.1), lam=-1.0)

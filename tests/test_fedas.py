@@ -138,7 +138,7 @@ def test_options_are_checked():
     _, model, _, tx = pfl_setup()
     with pytest.raises(ValueError, match=r"must leave steps to train: got 0.5 \+ 0.5 >= 1"):
         fedas(model, tx, 0.5, 0.5)
-    with pytest.raises(ValueError, match=r"fedas.align_lr must be >= 0, got -1"):
+    with pytest.raises(ValueError, match=r"fedas.align_lr must be a number in \[0, 100\], got -1"):
         fedas(model, tx, 0.2, 0.2, align_lr=-1)
     cfg = default_config()
     cfg.algorithm, cfg.local.epochs = "fedas", 1.0

@@ -12,7 +12,7 @@ from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms.fedcp import (BANDWIDTHS, CPNet, ensemble_logits, fedcp, init_cs,
                                          mmd_rbf)
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.algorithms.local import WithFeatures
 
 
 def _np_ensemble(h, head_p, head_g, cs, context, tau, noise):
@@ -138,7 +138,7 @@ def test_personal_model_is_the_noise_free_ensemble():
         head = jax.tree_util.tree_map(lambda v: v[k], states[1].client_states["head"])
         trained = float(states[1].client_states["trained"][k])
         context = np.asarray(head["kernel"]).sum(1) if trained else np.asarray(server.context0)
-        _, h = _WithFeatures(model).apply({"params": server.params}, x)
+        _, h = WithFeatures(model).apply({"params": server.params}, x)
         cs = jax.tree_util.tree_map(np.asarray, server.cs)
         want = _np_ensemble(np.asarray(h), jax.tree_util.tree_map(np.asarray, head),
                             jax.tree_util.tree_map(np.asarray, server.params["head"]), cs,

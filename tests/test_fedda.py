@@ -11,7 +11,7 @@ import pytest
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.algorithms.fedda import fedda, head_distance
-from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.algorithms.local import WithFeatures
 
 LR, LAM = 0.1, 0.3
 
@@ -52,7 +52,7 @@ def test_both_phases_follow_their_gradients():
 
     # Phase 2: the extractor and g' on CE of g'(f(x)); the personal head stays.
     def phase2(p):
-        _, f = _WithFeatures(model).apply({"params": {**p["body"], "head": p1["model"]["head"]}},
+        _, f = WithFeatures(model).apply({"params": {**p["body"], "head": p1["model"]["head"]}},
                                           x)
         return _ce(f @ p["g"]["kernel"] + p["g"]["bias"], y)
     body = {k: p1["model"][k] for k in ("fc1", "fc2")}

@@ -174,7 +174,7 @@ def test_options_are_checked():
     cfg.algorithm, cfg.local.epochs, cfg.fedfomo.val_epochs = "fedfomo", 1.0, 1.5
     with pytest.raises(ValueError, match=r"fedfomo.val_epochs .*local.epochs \(1\).*got 1.5"):
         registry.from_config(model, cfg)
-    with pytest.raises(ValueError, match=r"fedfomo.m must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"fedfomo.m must be an integer in \[1, 100000\], got 0"):
         fedfomo(model, tx, 6, 0.2, m=0)
     with pytest.raises(ValueError, match=r"must lie in \(0, 1\), got 1.0"):
         fedfomo(model, tx, 6, 1.0)

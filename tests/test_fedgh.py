@@ -13,7 +13,7 @@ import pytest
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
 from fedjax_pan.algorithms.fedgh import fedgh, train_head
-from fedjax_pan.algorithms.moon import FEATURES
+from fedjax_pan.algorithms.local import FEATURES
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.groups import Groups
 from fedjax_pan.engine.services import Services
@@ -116,5 +116,5 @@ def test_groups_run_the_stacked_server_and_one_group_is_the_simulation():
 
 def test_bad_options_are_refused():
     _, model, _, tx = _setup()
-    with pytest.raises(ValueError, match=r"server_lr=0"):
+    with pytest.raises(ValueError, match=r"fedgh.server_lr must be a number in \(0, .*got 0.0"):
         fedgh(model, tx, 0.5, server_lr=0.0)

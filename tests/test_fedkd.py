@@ -13,7 +13,7 @@ from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, strategies_ag
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext, tree_bytes
 from fedjax_pan.algorithms.fedkd import compress_tree, energy, fedkd, svd_compress
-from fedjax_pan.algorithms.moon import FEATURES
+from fedjax_pan.algorithms.local import FEATURES
 from fedjax_pan.engine.groups import Groups
 from fedjax_pan.engine.services import Services
 

@@ -128,7 +128,7 @@ def test_lam_zero_is_local_training_and_the_stack_holds_the_latest_models():
 
 def test_options_are_checked():
     cd, model, variables, tx = pfl_setup()
-    with pytest.raises(ValueError, match="regularizer 'trace'"):
+    with pytest.raises(ValueError, match="fedmtl.regularizer must be one of .*got 'trace'"):
         fedmtl(model, tx, K, regularizer="trace")
     with pytest.raises(ValueError, match=r"fedmtl.lam .*got -1"):
         fedmtl(model, tx, K, lam=-1.0)

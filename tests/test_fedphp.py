@@ -11,7 +11,7 @@ from conftest import max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.fedphp import BANDWIDTHS, fedphp, mmd
-from fedjax_pan.algorithms.moon import FEATURES
+from fedjax_pan.algorithms.local import FEATURES
 
 
 def _np_mmd(x, y, mask):
@@ -92,7 +92,7 @@ def test_lam_zero_trains_fedavgs_global_model_and_mu_zero_keeps_the_trained_mode
 
 def test_bad_options_are_refused():
     _, model, _, tx = pfl_setup()
-    with pytest.raises(ValueError, match=r"mu=1.5"):
+    with pytest.raises(ValueError, match=r"fedphp.mu must be a number in \[0, 1\], got 1.5"):
         fedphp(model, tx, 10, mu=1.5)
-    with pytest.raises(ValueError, match=r"rounds=0"):
+    with pytest.raises(ValueError, match=r"rounds >= 1, got 0"):
         fedphp(model, tx, 0)

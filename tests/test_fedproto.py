@@ -13,7 +13,7 @@ from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.algorithms.fedproto import fedproto, nearest_prototype_head, proto_loss
-from fedjax_pan.algorithms.moon import FEATURES
+from fedjax_pan.algorithms.local import FEATURES
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.groups import Groups

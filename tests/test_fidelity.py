@@ -2,7 +2,6 @@
 and departures, has a test marked as checking it against that reference, and
 docs/FIDELITY.md is the table those declarations generate."""
 
-import os
 
 import pytest
 

@@ -18,7 +18,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from fedjax_pan import experiment, ledger
-from fedjax_pan.algorithms import flchain
+from fedjax_pan.algorithms import flchain, flchain_cli
 from fedjax_pan.errors import ConfigError
 from test_experiment import ROOT, config, metrics
 
@@ -61,9 +61,9 @@ def test_an_honest_chain_is_fedavg_to_the_bit(honest, tmp_path):
 
 def test_the_ledger_records_every_round(honest):
     path, summary = honest
-    counts = ledger.verify(path)
+    counts = flchain_cli.verify(path)
     assert counts["anchored"] is False  # internal consistency only
-    assert ledger.verify(path, anchor=summary["ledger_anchor"])["anchored"] is True
+    assert flchain_cli.verify(path, anchor=summary["ledger_anchor"])["anchored"] is True
     store = ledger.Ledger(os.path.join(path, "ledger"))
     assert store.heights(0) == list(range(ROUNDS + 1))
     genesis = store.read(0, 0)
@@ -134,7 +134,7 @@ def test_any_flipped_byte_is_located(honest, tmp_path):
         target = os.path.join(copy, name)
         _flip(target, int(rng.integers(os.path.getsize(target))))
         with pytest.raises(ledger.LedgerError) as e:
-            ledger.verify(copy)
+            flchain_cli.verify(copy)
         message = str(e.value)
         assert "\n" not in message
         assert os.path.basename(target) in message, (name, message)
@@ -195,7 +195,7 @@ def test_every_tamper_case_is_located(honest, tmp_path, case, where, why):
     else:
         os.remove(block2)
     with pytest.raises(ledger.LedgerError, match=why) as e:
-        ledger.verify(copy)
+        flchain_cli.verify(copy)
     assert where in str(e.value)
 
 
@@ -310,17 +310,17 @@ def test_a_rewritten_history_fails_against_the_anchor(honest, tmp_path, case, wh
         _edit_block(block(3), forge)
     elif case == "forged_ledger":
         _resign_everything(copy, seed)
-        assert ledger.verify(copy)["blocks"] == ROUNDS + 1  # internally consistent
+        assert flchain_cli.verify(copy)["blocks"] == ROUNDS + 1  # internally consistent
     elif case == "deleted_last":
         os.remove(block(3))
-        assert not ledger.verify(copy)["anchored"]  # passes without the anchor
+        assert not flchain_cli.verify(copy)["anchored"]  # passes without the anchor
     elif case == "rewritten_with_keys":
         def rewrite(b):
             b["header"]["proposer"] = (b["header"]["proposer"] + 1) % 4
             b["hash"] = ledger.block_hash(b["header"])
             _sign_votes(b, seed, ledger.Keys.load(copy))
         _edit_block(block(3), rewrite)
-        assert ledger.verify(copy)["blocks"] == ROUNDS + 1
+        assert flchain_cli.verify(copy)["blocks"] == ROUNDS + 1
     elif case == "appended":  # an empty block (the model unchanged), signed by the run's keys
         head = store.read(0, 3)
         nxt = json.loads(json.dumps(head))
@@ -331,13 +331,13 @@ def test_a_rewritten_history_fails_against_the_anchor(honest, tmp_path, case, wh
         nxt["hash"] = ledger.block_hash(nxt["header"])
         _sign_votes(nxt, seed, ledger.Keys.load(copy))
         open(block(4), "wb").write(ledger.canonical(nxt))
-        assert ledger.verify(copy)["blocks"] == ROUNDS + 2
+        assert flchain_cli.verify(copy)["blocks"] == ROUNDS + 2
     elif case in ("vote_removed", "head_vote_removed"):
         height = 2 if case == "vote_removed" else 3
         assert len(store.read(0, height)["votes"]) > ledger.quorum(4)  # one beyond the quorum
         _edit_block(block(height), lambda b: b["votes"].pop())
         if height == 3:  # the head's votes: only the anchor binds them
-            assert ledger.verify(copy)["blocks"] == ROUNDS + 1
+            assert flchain_cli.verify(copy)["blocks"] == ROUNDS + 1
     elif case == "votes_reordered":
         _edit_block(block(2), lambda b: b["votes"].reverse())
     elif case == "vote_twice":
@@ -356,18 +356,18 @@ def test_a_rewritten_history_fails_against_the_anchor(honest, tmp_path, case, wh
     else:
         _edit_block(block(2), lambda b: b["votes"][0].pop("signature"))
     with pytest.raises(ledger.LedgerError, match=why) as e:
-        ledger.verify(copy, anchor=summary["ledger_anchor"])
+        flchain_cli.verify(copy, anchor=summary["ledger_anchor"])
     assert where in str(e.value) and "\n" not in str(e.value)
 
 
 def test_the_expected_validators_are_checked_without_an_anchor(honest, tmp_path):
     path, summary = honest
     genesis = ledger.Ledger(os.path.join(path, "ledger")).read(0, 0)["header"]
-    assert ledger.verify(path, validators=genesis["validators"])["blocks"] == ROUNDS + 1
-    assert ledger.verify(path, validators="sha256:" + ledger.fingerprint(
+    assert flchain_cli.verify(path, validators=genesis["validators"])["blocks"] == ROUNDS + 1
+    assert flchain_cli.verify(path, validators="sha256:" + ledger.fingerprint(
         genesis["validators"]))["anchored"] is False
     with pytest.raises(ledger.LedgerError, match=r"000000\.json.*not the expected"):
-        ledger.verify(path, validators=genesis["validators"][::-1])
+        flchain_cli.verify(path, validators=genesis["validators"][::-1])
 
 
 def test_a_ledger_written_before_format_2_is_refused(honest, tmp_path):
@@ -379,20 +379,31 @@ def test_a_ledger_written_before_format_2_is_refused(honest, tmp_path):
     with pytest.raises(ledger.LedgerFormatError,
                        match=r"000000\.json.*ledger format 1 written before .*this verifier "
                              r"reads format 2") as e:
-        ledger.verify(copy)
+        flchain_cli.verify(copy)
     assert e.value.status == 2
     with pytest.raises(ConfigError, match="ledger does not verify.*ledger format 1"):
         experiment.train(config(rounds=ROUNDS, algorithm="flchain",
                                 execution__strategy="loop"), copy, resume=True, progress=False)
 
 
+def test_command_line_arguments():
+    assert flchain_cli._arguments(["w"]) == ("w", None, None)
+    assert flchain_cli._arguments(["--anchor", "a.json", "w", "--validators=sha256:ab"]) == \
+        ("w", "a.json", "sha256:ab")
+    for argv, why in [([], "one WORKDIR"), (["w", "v"], "unexpected"),
+                      (["--help"], "unexpected"), (["w", "--anchor"], "needs a value"),
+                      (["w", "--anchor", "a", "--anchor", "b"], "twice")]:
+        with pytest.raises(ValueError, match=why):
+            flchain_cli._arguments(argv)
+
+
 def test_the_command_line_anchors_the_audit(honest, tmp_path, capsys):
-    """`python -m fedjax_pan.ledger`'s own code, in this process (the slow test below runs
-    it as a command)."""
+    """`python -m fedjax_pan.algorithms.flchain_cli`'s own code, in this process (the slow
+    test below runs it as a command)."""
     path, summary = honest
 
     def run(*argv):
-        code = ledger.main(list(argv))
+        code = flchain_cli.main(list(argv))
         out, err = capsys.readouterr()
         return code, out, err
     code, out, _ = run(path)
@@ -430,8 +441,9 @@ def test_the_command_line_anchors_the_audit(honest, tmp_path, capsys):
 @pytest.mark.slow  # four interpreters start
 def test_verify_from_the_command_line(honest, tmp_path):
     path, summary = honest
-    run = lambda d, *args: subprocess.run([sys.executable, "-m", "fedjax_pan.ledger", d, *args],
-                                          capture_output=True, text=True, cwd=ROOT)
+    run = lambda d, *args: subprocess.run(
+        [sys.executable, "-m", "fedjax_pan.algorithms.flchain_cli", d, *args],
+        capture_output=True, text=True, cwd=ROOT)
     ok = run(path)
     assert ok.returncode == 0, ok.stderr
     assert f"{ROUNDS + 1} blocks" in ok.stdout and "note:" in ok.stdout
@@ -475,7 +487,7 @@ def test_a_tampering_proposer_cannot_commit(honest, tmp_path, tamper, reason):
     assert rejected["proposer"] == 0 and rejected["votes"] == 1
     assert reason in rejected["reason"]
     assert [r["sim_rejected"] for r in metrics(str(tmp_path))] == [1]
-    ledger.verify(str(tmp_path))
+    flchain_cli.verify(str(tmp_path))
 
 
 def test_a_central_server_commits_its_tampering_and_the_audit_finds_it(honest, tmp_path):
@@ -494,7 +506,7 @@ def test_a_central_server_commits_its_tampering_and_the_audit_finds_it(honest, t
                                   -model["params/fc1/kernel"])
     with pytest.raises(ledger.LedgerError, match=r"000002\.json.*state root is not the "
                                                  r"aggregate"):
-        ledger.verify(str(tmp_path))
+        flchain_cli.verify(str(tmp_path))
 
 
 @pytest.mark.slow  # the backdoored model trains through an executor of its own
@@ -503,7 +515,7 @@ def test_a_central_server_inserting_a_backdoored_model_is_caught_by_the_audit(tm
          flchain__tamper="backdoor", flchain__tamper_from=1)
     with pytest.raises(ledger.LedgerError, match=r"000002\.json.*signature is not the "
                                                  r"device's"):
-        ledger.verify(str(tmp_path))
+        flchain_cli.verify(str(tmp_path))
 
 
 def test_more_than_f_faulty_validators_stall_the_channel(tmp_path):
@@ -541,7 +553,7 @@ def test_resume_continues_the_ledger_and_refuses_a_tampered_one(honest, tmp_path
     resumed = resume(part)
     for a, b in zip(_params(full), _params(resumed)):
         np.testing.assert_array_equal(a, b)
-    assert ledger.verify(part, anchor=full["ledger_anchor"])["blocks"] == ROUNDS + 1
+    assert flchain_cli.verify(part, anchor=full["ledger_anchor"])["blocks"] == ROUNDS + 1
     assert _ledger_bytes(part) == _ledger_bytes(path)
     _flip(glob.glob(os.path.join(bad, "ledger", "channel_0", "000001.json"))[0], 40)
     with pytest.raises(ConfigError, match="ledger does not verify.*000001.json"):
@@ -581,7 +593,7 @@ def test_channels_train_their_own_models(tmp_path):
             assert all(chain.channel_of[tx["device"]] == j for tx in block["transactions"])
     models = [jax.tree_util.tree_leaves(s.params)[0] for s in summary.state.server["channels"]]
     assert not np.array_equal(np.asarray(models[0]), np.asarray(models[1]))
-    assert ledger.verify(str(tmp_path))["channels"] == 2
+    assert flchain_cli.verify(str(tmp_path))["channels"] == 2
     # Each device is scored on its own channel's model.
     correct = count = 0.0
     for j, server in enumerate(summary.state.server["channels"]):

@@ -11,7 +11,7 @@ from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.algorithms.gpfl import (GNet, batch_norm2, conditional_inputs, cov_apply,
                                         gce_loss_sum, gpfl, init_cov)
-from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.algorithms.local import WithFeatures
 
 
 def _np_ln(z):
@@ -75,7 +75,7 @@ def test_a_step_follows_the_objective_and_decays_gce_and_cov():
     np.testing.assert_allclose(local.personal, share @ gce, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(local.generic, gce.mean(0), rtol=1e-5, atol=1e-6)
     batch = {"x": cd.images[:8], "y": cd.labels[:8], "mask": jnp.ones(8)}
-    net = _WithFeatures(model)
+    net = WithFeatures(model)
     y = np.asarray(batch["y"])
 
     def objective(params):  # the three terms written out again, independently
@@ -123,7 +123,7 @@ def test_rounds_keep_heads_average_the_rest_and_score_gnet():
             np.testing.assert_allclose(cs["share"][k], counts / counts.sum(), rtol=1e-6)
     mine = sim.personal_evaluation(states[2])
     x = cd.images[:5]
-    _, f = _WithFeatures(model).apply({"params": s2.params}, x)
+    _, f = WithFeatures(model).apply({"params": s2.params}, x)
     last = np.asarray(cs["last"])
     assert set(np.flatnonzero(last == 1)) == set(sim.sample(1).tolist())
     assert max_rel_err(cs["gce"][int(sim.sample(1)[0])], s2.gce_prev) > 1e-5

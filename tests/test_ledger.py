@@ -216,14 +216,3 @@ def test_anchor_records_validators_heads_and_votes(tmp_path):
     assert ledger.read_validators(str(tmp_path / "summary.json")) == fp
     with pytest.raises(OSError):
         ledger.read_validators(str(tmp_path / "none.json"))
-
-
-def test_command_line_arguments():
-    assert ledger._arguments(["w"]) == ("w", None, None)
-    assert ledger._arguments(["--anchor", "a.json", "w", "--validators=sha256:ab"]) == \
-        ("w", "a.json", "sha256:ab")
-    for argv, why in [([], "one WORKDIR"), (["w", "v"], "unexpected"), (["--help"], "unexpected"),
-                      (["w", "--anchor"], "needs a value"),
-                      (["w", "--anchor", "a", "--anchor", "b"], "twice")]:
-        with pytest.raises(ValueError, match=why):
-            ledger._arguments(argv)

@@ -81,7 +81,7 @@ def test_personal_model_is_one_step_on_a_training_batch():
 
 def test_options_are_checked():
     cd, model, variables, _ = pfl_setup()
-    with pytest.raises(ValueError, match="alpha, beta > 0"):
+    with pytest.raises(ValueError, match=r"perfedavg.beta must be a number in \(0, 100\], got 0.0"):
         perfedavg(model, 0.1, beta=0.0)
     cfg = default_config()
     cfg.algorithm, cfg.perfedavg.hessian_free, cfg.local.batch_size = "perfedavg", True, 2

@@ -1,15 +1,17 @@
 """The round contract belongs to the engine: the engine imports nothing from the algorithms,
-drivers import nothing private from the engine, and every way of running a round is a
-`Round`."""
+drivers import nothing private from the engine nor the registry (nor does the ledger import
+the algorithms), and every way of running a round is a `Round`."""
 
 import ast
+import importlib
 import os
+import types
 
 import numpy as np
 
 from conftest import ROOT, tiny_clients, tiny_fedavg
-from fedjax_pan import models
-from fedjax_pan.algorithms import fedma, flchain, ktpfl
+from fedjax_pan import algorithms, engine as engine_lib, ledger, models
+from fedjax_pan.algorithms import fedma, flchain, ktpfl, registry
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.protocol import Round
 from fedjax_pan.engine.services import Services
@@ -37,10 +39,51 @@ def test_the_engine_imports_nothing_from_the_algorithms():
             assert not found, f"engine/{name} imports {sorted(found)}"
 
 
+def _import_statements(path):
+    """(module, name) for every `from module import name` in `path`, (module, None) for
+    every `import module`, at the top or inside functions."""
+    out = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            out += [(node.module, a.name) for a in node.names]
+        elif isinstance(node, ast.Import):
+            out += [(a.name, None) for a in node.names]
+    return out
+
+
+def _faults(path):
+    """What a driver's module `path` imports that it must not: the registry, or the
+    engine other than its package's public names, `protocol` and `services`."""
+    faults = []
+    for module, name in _import_statements(path):
+        full = module if name is None else f"{module}.{name}"
+        if "fedjax_pan.algorithms.registry" in (module, full) or full == "fedjax_pan.algorithms":
+            faults.append(full)  # the registry, or the package that re-exports it
+        elif module == "fedjax_pan.algorithms" and not isinstance(
+                getattr(algorithms, name, None), types.ModuleType):
+            faults.append(full)  # a name the package re-exports (from the registry)
+        elif module == "fedjax_pan.engine" and name is not None:
+            if name not in engine_lib.__all__:
+                faults.append(full)  # an engine module, not a public name
+        elif module.startswith("fedjax_pan.engine") and module not in PUBLIC_ENGINE:
+            faults.append(full)
+    return faults
+
+
 def test_drivers_use_only_the_engines_public_services():
-    for module in (fedma, ktpfl, flchain):
-        engine = {m for m in _imports(module.__file__) if m.startswith("fedjax_pan.engine")}
-        assert engine and engine <= PUBLIC_ENGINE, (module.__name__, sorted(engine))
+    """Every module that provides a driver (the registry's entries say which) takes what
+    the config names resolved from `Services`, never from the registry, and uses the
+    engine's public services only; FLChain's ledger is given its update rule."""
+    names = sorted({e.driver.__module__ for e in registry.ALGORITHMS.values()
+                    if e.driver is not None})
+    assert {m.__name__ for m in (fedma, ktpfl, flchain)} <= set(names)
+    for name in names + ["fedjax_pan.ledger"]:
+        path = importlib.import_module(name).__file__
+        assert not _faults(path), (name, _faults(path))
+    found = [m for m in _imports(ledger.__file__) if m.startswith("fedjax_pan.algorithms")]
+    assert not found, f"ledger.py imports {found}"
+    uses = {m for name in names for m in _imports(importlib.import_module(name).__file__)}
+    assert "fedjax_pan.engine.services" in uses  # the rule sees the drivers' imports
 
 
 def test_simulations_and_drivers_are_rounds():

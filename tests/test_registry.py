@@ -11,11 +11,14 @@ from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import registry
 from fedjax_pan.defaults import default_config
 
-PERSONALISED = ["local", "fedper", "lg_fedavg", "fedbn", "fedrep", "ditto", "apfl", "fedala",
-                "perfedavg", "perfedavg_hf", "pfedme", "fedrod", "ktpfl", "pfedeff",
-                "fedamp", "fedphp", "fedmtl", "partialfed", "fedfomo", "apple", "fedproto",
-                "fd", "fedgh", "fedgc", "fedpcl", "fml", "fedkd", "feddbe", "fedcac", "fedas",
-                "fedcross", "fedcp", "gpfl", "fedpac", "fedda"]
+# FedMA, Siren and FLChain run only as their drivers (no compiled round to build).
+DRIVER_ONLY = {"fedma", "siren", "flchain"}
+# Every algorithm with a model per client (the registry's `personal`), Per-FedAvg's
+# Hessian-free variant too; then those scored on a global model.
+PERSONALISED = [name for name, entry in registry.ALGORITHMS.items()
+                if entry.personal] + ["perfedavg_hf"]
+GLOBAL_MODEL = [name for name, entry in registry.ALGORITHMS.items()
+                if not entry.personal and name not in DRIVER_ONLY]
 PUBLIC = jnp.asarray(np.random.default_rng(0).normal(size=(12, 6, 6, 1)), jnp.float32)
 
 
@@ -31,14 +34,18 @@ def _build(name, model):
     return registry.from_config(model, cfg, public=PUBLIC, input_shape=(6, 6, 1))
 
 
-# Later algorithms scored on a global model: the same check, without personal models.
-GLOBAL_MODEL = ["fedbabu", "fedlc", "fedntd", "fedgen"]
+# MOON in a vmap block of two or more of these unequal clients ends 4e-4 away from the
+# reference (a block of one agrees to 1e-6): not yet explained.
+_UNEQUAL_BLOCKS = pytest.mark.xfail(strict=True, reason="MOON differs in vmap blocks")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", PERSONALISED + GLOBAL_MODEL)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=_UNEQUAL_BLOCKS) if name == "moon"
+                                  else name for name in PERSONALISED + GLOBAL_MODEL])
 def test_personalised_algorithms_loop_vmap_and_reference_agree(name):
     cd, model, variables, _ = pfl_setup(norm="batch" if name == "fedbn" else "none")
+    if name == "fed2":
+        model, variables = _grouped()
     algo = _build(name, model)
     # Servers, client states and the personal models evaluated all agree.
     sim, loop, ref = strategies_agree(algo, cd, variables,
@@ -56,17 +63,20 @@ def test_personalised_algorithms_loop_vmap_and_reference_agree(name):
     assert moved > 1e-3
 
 
-# FedMA, Siren and FLChain run only as their drivers (no compiled round to build).
-@pytest.mark.parametrize("name", sorted(set(registry.ALGORITHMS) - {"fedma", "siren",
-                                                                    "flchain"}))
+def _grouped():
+    """Fed2's grouped model and its initial variables."""
+    from fedjax_pan import models
+    model = models.build("mlp", 10, hidden=[20, 20], grouped={"groups": 2, "depth": 2})
+    return model, models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
+
+
+@pytest.mark.parametrize("name", sorted(set(registry.ALGORITHMS) - DRIVER_ONLY))
 def test_every_algorithm_builds_from_the_default_config(name):
     cd, model, variables, _ = pfl_setup()
     cfg = default_config()
     cfg.algorithm = name
     if name == "fed2":
-        from fedjax_pan import models
-        model = models.build("mlp", 10, hidden=[20, 20], grouped={"groups": 2, "depth": 2})
-        variables = models.init(model, jax.random.PRNGKey(0), (6, 6, 1))
+        model, variables = _grouped()
     if registry.ALGORITHMS[name].public:
         with pytest.raises(ValueError, match="dataset.public_size > 0"):
             registry.from_config(model, cfg)

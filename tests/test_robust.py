@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pan.engine import robust
+from fedjax_pan.algorithms.aggregation import robust
 
 # Five clients on a line, 0, 1, 2 near each other and 10, 11 far off; the output is a
 # tree of two leaves (the coordinate split 1 + 1 with a zero second part) so distances
@@ -124,7 +124,7 @@ def test_rules_from_a_config_run_and_bad_ones_are_named():
 def test_empty_slots_are_ignored(name):
     # Slots of outputs not arrived weigh 0 and hold anything (here huge values): the rule
     # gives what it gives on the present outputs alone.
-    from fedjax_pan.engine.protocol import median, trimmed_mean
+    from fedjax_pan.algorithms.aggregation.coordinate import median, trimmed_mean
     rule = {"median": median(), "trimmed_mean": trimmed_mean(0.2),
             "multi_krum": robust.multi_krum(1), "geometric_median": robust.geometric_median()}[name]
     rng = np.random.default_rng(1)

@@ -11,7 +11,7 @@ from conftest import max_rel_err, tiny_clients, tiny_fedavg
 from fedjax_pan.algorithms import FederatedAlgorithm
 from fedjax_pan.engine import LocalWork, SimState, Simulation, make_executor
 from fedjax_pan.engine.protocol import Round, RoundInfo
-from fedjax_pan.engine.services import Services
+from fedjax_pan.engine.services import RoundDefaults, Services
 
 SIZES = [20, 30, 25, 15, 40, 12]
 WORK = LocalWork(batch_size=8, epochs=1.5)
@@ -24,6 +24,17 @@ def _federation():
     sim = Simulation(algo, cd, WORK, ex, participation=0.5, seed=11)
     return cd, variables, algo, sim, Services(cd, WORK, participation=0.5, seed=11,
                                               strategy="loop")
+
+
+def test_what_the_config_names_arrives_resolved_with_fedavgs_defaults():
+    """A driver takes the server optimiser, the cohort sampling and the attack from its
+    services (the assembly resolves them); by default sgd(1) (the update is minus the mean
+    delta), uniform cohorts and no attack."""
+    services = _federation()[-1]
+    assert services.sampling == "uniform" and services.attack is None
+    g = {"w": jnp.asarray([0.5, -2.0], jnp.float32)}
+    update, _ = services.server_tx.update(g, services.server_tx.init(g))
+    np.testing.assert_array_equal(update["w"], -g["w"])
 
 
 def test_samples_steps_and_keys_are_the_simulations():
@@ -74,12 +85,11 @@ def test_training_a_cohort_equals_the_simulations_round():
 # aggregating (here it drops the largest update), written on the engine's services only.
 
 @dataclasses.dataclass
-class DropLargest:
+class DropLargest(RoundDefaults):
     """FedAvg without the client whose update is largest (a defence's shape)."""
 
     algorithm: FederatedAlgorithm  # the clients' work; its aggregator stacked (each output)
     services: Services
-    shapes_change = False
 
     def __post_init__(self):
         self.num_sampled = self.services.num_sampled

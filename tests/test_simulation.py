@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_clients, tiny_fedavg
-from fedjax_pan.engine import LocalWork, Simulation, clients_per_round, make_executor
+from fedjax_pan.engine import LocalWork, Simulation, clients_per_round, make_executor, store
+from fedjax_pan.engine.simulation import SimState
 
 WORK = LocalWork(batch_size=8, epochs=1)
 
@@ -89,10 +90,9 @@ def test_client_states_on_the_host_and_on_disk_give_the_same_numbers():
                           jax.tree_util.tree_leaves(state.client_states)[0], kind)
         for _ in range(3):
             state, _ = sim.round(state)
-        finals[place] = state
-        if place == "disk":
-            finals[place] = state._replace(client_states=state.client_states.gather(
-                np.arange(cd.num_clients)))
+        # Every client's state, wherever it is kept.
+        finals[place] = state._replace(client_states=store.wrap(
+            state.client_states).everyone())
     for place in ("host", "disk"):
         for a, b in zip(jax.tree_util.tree_leaves(finals["device"]),
                         jax.tree_util.tree_leaves(finals[place])):
@@ -101,3 +101,42 @@ def test_client_states_on_the_host_and_on_disk_give_the_same_numbers():
     c = np.asarray(jax.tree_util.tree_leaves(finals["host"].client_states)[0])
     moved = np.abs(c.reshape(len(c), -1)).max(axis=1) > 0
     assert moved.any()
+
+
+@pytest.mark.parametrize("place", ["device", "host", "disk"])
+@pytest.mark.parametrize("stateful", [True, False])
+def test_a_state_saved_and_restored_in_each_place_goes_on_as_it_was(place, stateful):
+    """`SimState.saved` after 2 rounds, restored as a checkpoint restores it (host arrays),
+    then 2 rounds more: the run of 4 rounds in one go, bit for bit (a stateless algorithm
+    too). A restored state on disk reads the slots the save named, though the run it
+    came from went on in the same files."""
+    from fedjax_pan.algorithms.scaffold import scaffold
+    from fedjax_pan.algorithms import client_optimizer
+    model, variables, algo = tiny_fedavg()
+    if stateful:
+        algo = scaffold(model, client_optimizer(0.05, 0.9), 0.05, momentum=0.9)
+    _, cd = tiny_clients([27, 39, 19, 36, 62, 13])
+    ex = make_executor("loop", algo, WORK, cd, variables, 3)
+    sim = Simulation(algo, cd, WORK, ex, participation=0.5, seed=4, states_in=place)
+    state = sim.init(variables)
+    assert (state.client_states is None) != stateful
+    for _ in range(2):
+        state, _ = sim.round(state)
+    saved = state.saved()
+    tree = jax.tree_util.tree_map(np.array, saved)  # a copy: later rounds donate
+    state.checkpointed()
+    for _ in range(2):
+        state, _ = sim.round(state)
+    want = jax.tree_util.tree_map(np.asarray, (state.server, store.wrap(
+        state.client_states).everyone()))
+    again = SimState.restored(jax.tree_util.tree_unflatten(
+        jax.tree_util.tree_structure(saved), jax.tree_util.tree_leaves(tree)), 2)
+    for _ in range(2):
+        again, _ = sim.round(again)
+    got = (again.server, store.wrap(again.client_states).everyone())
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    if stateful and place == "device":  # back on the device after a round
+        assert all(isinstance(x, jax.Array)
+                   for x in jax.tree_util.tree_leaves(again.client_states))

@@ -162,6 +162,7 @@ def test_an_alarming_attacker_still_trains_from_the_global_model():
                                 attack__kind="sign_flip", attack__fraction=0.2,
                                 attack__start_round=1))
     sim = exp.simulation
+    assert sim.services.attack is not None  # the config's attack, resolved by the assembly
     ids = np.arange(exp.config.partition.num_clients)
     np.testing.assert_array_equal(sim.attacking(0, ids), np.zeros(len(ids), bool))
     np.testing.assert_array_equal(sim.attacking(1, ids), sim.malicious)

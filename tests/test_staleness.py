@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from fedjax_pan import experiment
-from fedjax_pan.engine import staleness
+from fedjax_pan.algorithms.aggregation import staleness
 from fedjax_pan.engine.protocol import Arrivals
 
 sys.path.insert(0, os.path.dirname(__file__))

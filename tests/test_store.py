@@ -1,5 +1,6 @@
-"""Client states on the device, the host or disk: the choice by size, and `DiskStates`
-against a plain dict of arrays (the reference), across rounds, checkpoints and restarts."""
+"""Client states on the device, the host or disk: the choice by size, every place's store
+(`ClientStates`) and `DiskStates`'s slots against a plain list of states (the reference),
+across rounds, checkpoints and restarts."""
 
 import json
 import os
@@ -57,8 +58,57 @@ def _round(rng, states, ref, m, t):
             "c": {"n": np.int32(100 * t + i)}} for i in ids]
     for i, s in zip(ids, new):
         ref[i] = s
-    states.files.next_round()
+    states.start_round()
     return states.scatter(ids, jax.tree_util.tree_map(lambda *x: np.stack(x), *new))
+
+
+@pytest.mark.parametrize("where", ["device", "host", "disk"])
+def test_every_place_keeps_the_reference_states(tmp_path, where):
+    k, m = 12, 3
+    rng = np.random.default_rng(2)
+    states = store.create(where, _template(), k, str(tmp_path / "s"))
+    assert states.place == where and isinstance(states, store.PLACED[where])
+    ref = _reference(k)
+    for t in range(6):
+        states = _round(rng, states, ref, m, t)
+        # What a SimState holds gives back the same store.
+        states = store.wrap(states.tree, where)
+        assert type(states) is store.PLACED[where]
+        ids = np.array([7, 0, 3])
+        got = states.gather(ids)
+        assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(got))
+        assert _equal(got, _stack(ref, ids))
+        assert _equal(states.everyone(), _stack(ref, range(k)))
+    chunks = list(states.chunks(5))
+    assert [len(ids) for ids, _ in chunks] == [5, 5, 2]
+    assert all(_equal(c, _stack(ref, ids)) for ids, c in chunks)
+    assert jax.tree_util.tree_structure(states.template()) == \
+        jax.tree_util.tree_structure(_template())
+    # A checkpoint saves the stacked arrays (device, host) or K slot numbers (disk).
+    leaves = jax.tree_util.tree_leaves(states.tree)
+    if where == "disk":
+        assert len(leaves) == 1 and leaves[0].shape == (k,)
+    else:
+        assert _equal(leaves, _stack(ref, range(k)))
+
+
+def test_restored_arrays_go_back_where_they_were_placed():
+    """A checkpoint restores host arrays (read-only, maybe): the host store copies them
+    once before writing in place; the device store's first scatter puts them on the
+    device. With no place given, NumPy arrays are the host's."""
+    k = 4
+    tree = jax.tree_util.tree_map(lambda x: np.repeat(x[None], k, 0), _template())
+    for x in jax.tree_util.tree_leaves(tree):
+        x.setflags(write=False)
+    new = jax.tree_util.tree_map(lambda x: np.ones((1, *x.shape), x.dtype), _template())
+    assert isinstance(store.wrap(tree), store.HostStates)
+    host = store.wrap(tree, "host").scatter(np.array([2]), new).tree
+    device = store.wrap(tree, "device").scatter(np.array([2]), new).tree
+    assert all(isinstance(x, jax.Array) for x in jax.tree_util.tree_leaves(device))
+    assert _equal(host, device)
+    assert not any(np.any(x) for x in jax.tree_util.tree_leaves(tree))  # untouched
+    assert isinstance(store.wrap(None), store.NoStates)
+    assert store.create("disk", None, k).tree is None  # a stateless algorithm
 
 
 def test_disk_states_follow_a_reference_and_grow_with_the_clients_trained(tmp_path):
@@ -92,8 +142,8 @@ def test_checkpointed_slots_survive_later_rounds_and_a_restart(tmp_path):
     ref = _reference(k)
     for t in range(3):
         states = _round(rng, states, ref, m, t)
-    states.files.flush()
-    states.files.protect(states.slots)  # a checkpoint of round 3
+    states.flush()
+    states.checkpointed()  # a checkpoint of round 3
     saved, ref_saved = DiskStates(states.files, states.slots.copy()), list(ref)
     for t in range(3, 20):  # rounds past the checkpoint, then a crash
         states = _round(rng, states, ref, m, t)

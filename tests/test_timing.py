@@ -12,7 +12,8 @@ import pytest
 
 from conftest import tiny_clients
 from fedjax_pan import experiment
-from fedjax_pan.algorithms.core import FederatedAlgorithm, median
+from fedjax_pan.algorithms.aggregation import median
+from fedjax_pan.algorithms.core import FederatedAlgorithm
 from fedjax_pan.engine import LocalWork, Simulation, make_executor, timing
 
 sys.path.insert(0, os.path.dirname(__file__))

@@ -7,20 +7,18 @@ from typing import Any, Dict
 
 from benchmarks.harness import Log, Settings, mlp_workload, summarize, time_engine
 from benchmarks.sections.algorithms import _bench_config
+from fedjax_pan.algorithms import aggregation
 from fedjax_pan.defaults import set_keys
 
 PER_ROUND = (10, 50)
-PUBLIC = 1000  # SageFlow's and Zeno's server-side examples
-# name -> config changes; f = b = a fifth of the round (SageFlow's 20% attackers)
+PUBLIC = aggregation.PUBLIC_SIZE  # SageFlow's and Zeno's server-side examples
+# name -> config changes: every rule of the table (`algorithms.aggregation.RULES`), those
+# told of byzantine clients with f = b = a fifth of the round (SageFlow's 20% attackers)
 RULES = {
     "mean (FedAvg)": {},
-    "median": {"aggregation.rule": "median"},
-    "trimmed_mean": {"aggregation.rule": "trimmed_mean"},
-    "multi_krum": {"aggregation.rule": "multi_krum", "byzantine": 0.2},
-    "geometric_median": {"aggregation.rule": "geometric_median"},
-    "zeno": {"aggregation.rule": "zeno", "byzantine": 0.2},
-    "sageflow": {"aggregation.rule": "sageflow"},
-    "fedasync": {"aggregation.rule": "fedasync"},
+    **{name: {"aggregation.rule": name,
+              **({"byzantine": 0.2} if "byzantine" in entry.options else {})}
+       for name, entry in aggregation.RULES.items() if name != "mean"},
     "mean, stragglers (stale, D = 2)": {"straggler.max_delay": 2},
     "sageflow, stragglers (stale, D = 2)": {"aggregation.rule": "sageflow",
                                             "straggler.max_delay": 2},

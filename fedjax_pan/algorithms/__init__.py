@@ -1,18 +1,18 @@
 """Federated algorithms, each a `FederatedAlgorithm` of small pure functions."""
 
+from fedjax_pan.algorithms.aggregation import (fedasync, geometric_median, median,
+                                               multi_krum, sageflow, trimmed_mean, zeno)
 from fedjax_pan.algorithms.attacks import Attack, with_attack
 from fedjax_pan.algorithms.compressed import with_compression
 from fedjax_pan.algorithms.core import (Aggregator, ClientContext, FederatedAlgorithm,
-                                        RoundInfo, median, no_client_state, tree_bytes,
-                                        trimmed_mean, weighted_mean, weighted_sum)
+                                        RoundInfo, no_client_state, tree_bytes,
+                                        weighted_mean, weighted_sum)
 from fedjax_pan.algorithms.dp import AdaptiveClip, with_dp
 from fedjax_pan.algorithms.fed2 import fed2
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.algorithms.fedprox import fedprox
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.algorithms.registry import ALGORITHMS, from_config, server_optimizer
-from fedjax_pan.engine.robust import geometric_median, multi_krum, zeno
-from fedjax_pan.engine.staleness import fedasync, sageflow
 
 __all__ = ["Aggregator", "ClientContext", "FederatedAlgorithm", "RoundInfo", "median",
            "no_client_state", "tree_bytes", "trimmed_mean", "weighted_mean", "weighted_sum",

@@ -25,7 +25,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference
-from fedjax_pan.rules import Rule, between, boolean
+from fedjax_pan.rules import Rule, between, boolean, check_options
 
 PyTree = Any
 OPTIONS = {"alpha": 0.5, "adaptive": True, "alpha_lr": 0.05}
@@ -62,8 +62,7 @@ def apfl(model: nn.Module, client_tx: optax.GradientTransformation, learning_rat
          adaptive: bool = True, alpha_lr: float = 0.05) -> FederatedAlgorithm:
     """APFL; `learning_rate` is the personal model's step size (plain SGD, as the paper);
     the global copy warms up as `client_tx` does (the personal step does not)."""
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"APFL's alpha must lie in [0, 1], got {alpha}")
+    check_options(RULES, "apfl", alpha=alpha, adaptive=adaptive, alpha_lr=alpha_lr)
     base = fedavg(model, client_tx, server_tx)
 
     def client_state_init(server):

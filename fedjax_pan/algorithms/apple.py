@@ -71,9 +71,9 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        tree_bytes)
+                                        federated_algorithm, per_client, sends, set_rows)
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -163,16 +163,15 @@ def apple(model: nn.Module, client_tx: optax.GradientTransformation, learning_ra
     `client_tx` does), DR steps of `dr_lr`, the proximal weight mu x lam(r) over the first
     `schedule_rounds` rounds (L)."""
     del server_tx  # nothing is averaged
-    if learning_rate <= 0 or dr_lr < 0 or mu < 0:
-        raise ValueError(f"APPLE needs learning_rate > 0, dr_lr >= 0 and mu >= 0, got "
-                         f"{learning_rate}, {dr_lr}, {mu}")
+    if learning_rate <= 0:
+        raise ValueError(f"APPLE needs learning_rate > 0, got {learning_rate}")
+    check_options(RULES, "apple", dr_lr=dr_lr, mu=mu)
     core_lr = learning_rate * num_clients  # PFLlib's
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        cores = tree_map(lambda v: jnp.broadcast_to(v, (num_clients, *v.shape)), params)
-        return AppleServer(cores, model_state, jnp.zeros((num_clients,), jnp.float32),
-                           jnp.zeros((), jnp.int32))
+        return AppleServer(per_client(params, num_clients), model_state,
+                           jnp.zeros((num_clients,), jnp.float32), jnp.zeros((), jnp.int32))
 
     def client_state_init(server):
         return {"p": jnp.full((num_clients,), 1.0 / num_clients, jnp.float32),
@@ -210,8 +209,8 @@ def apple(model: nn.Module, client_tx: optax.GradientTransformation, learning_ra
 
     def server_update(server, outputs, info):
         ids = info.client_ids
-        cores = tree_map(lambda s, c: s.at[ids].set(c), server.cores, outputs["core"])
-        return server._replace(cores=cores, sizes=server.sizes.at[ids].set(outputs["size"]),
+        return server._replace(cores=set_rows(server.cores, ids, outputs["core"]),
+                               sizes=server.sizes.at[ids].set(outputs["size"]),
                                round=server.round + 1)
 
     def eval_variables(server):
@@ -223,16 +222,12 @@ def apple(model: nn.Module, client_tx: optax.GradientTransformation, learning_ra
                           server.cores)
         return {"params": params, **client_state["model_state"]}
 
-    def download_bytes(server, client_ids, round_index):
-        # All K core models (the DR vector stays with the client).
-        del client_ids, round_index
-        return tree_bytes(server.cores)
-
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              aggregator=every_output,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    # Each client downloads all K core models (its DR vector stays with it).
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               eval_variables=eval_variables, aggregator=every_output,
+                               personal_variables=personal_variables,
+                               download_bytes=sends("cores"))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,

@@ -23,28 +23,29 @@ others run the algorithm untouched. Kinds:
 
 w is the client's trained model, w_s the broadcast it started from. Output attacks need
 the algorithm's `model_view` (FedAvg's family); they change trainable parameters only,
-BatchNorm statistics are sent as trained.
+BatchNorm statistics are sent as trained. Each kind is its function(s) in the tables
+`DATA_ATTACKS` (the batch) and `MODEL_ATTACKS` (the parameters sent), its `REFERENCES`
+entry and its `DEFAULT_SCALE`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple, Sequence
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from ml_collections.config_dict import placeholder
 
-from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.algorithms.core import FeatureEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.wrapping import map_sent_model, nest_local
 from fedjax_pan.engine.simulation import sampled_clients
 from fedjax_pan.references import SAGEFLOW, SIREN, Reference
+from fedjax_pan.rules import between, one_of
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
-ATTACKS = ("none", "model_poisoning", "sign_flip", "gaussian", "label_shift", "label_flip",
-           "backdoor")
 DRAWS = ("fixed", "per_round")
-DATA_ATTACKS = ("label_shift", "label_flip", "backdoor")
-MODEL_ATTACKS = ("model_poisoning", "sign_flip", "gaussian", "backdoor")
 # Each kind's reference (`fedjax_pan.fidelity`).
 _SAGEFLOW_PAPER = ("Park et al., 'Sageflow: Robust Federated Learning against Both "
                    "Stragglers and Adversaries', NeurIPS 2021")
@@ -82,6 +83,9 @@ REFERENCES: Dict[str, Reference] = {
          "`authors` preset uses round 10, theirs)",
          _FIXED)),
 }
+# Every kind, 'none' first (each needs its entry in REFERENCES and its function(s) in
+# DATA_ATTACKS / MODEL_ATTACKS below).
+ATTACKS = ("none",) + tuple(REFERENCES)
 # Each kind's `scale` when the config leaves it unset.
 DEFAULT_SCALE = {"model_poisoning": 0.1, "sign_flip": 4.0, "gaussian": 1.0, "backdoor": 10.0}
 # The authors' MNIST pattern, (row, column) in the top-left corner.
@@ -166,37 +170,62 @@ def add_pattern(images: jax.Array) -> jax.Array:
     return images.at[:, np.asarray(rows), np.asarray(cols), :].set(1.0)
 
 
+def _label_shift(batch: dict, attack: Attack) -> dict:
+    return {**batch, "y": (batch["y"] + 1) % attack.num_classes}
+
+
+def _label_flip(batch: dict, attack: Attack) -> dict:
+    return {**batch, "y": attack.num_classes - 1 - batch["y"]}
+
+
+def _backdoor_batch(batch: dict, attack: Attack) -> dict:
+    y = batch["y"]
+    n = jnp.sum(batch["mask"]).astype(jnp.int32)  # real rows come first
+    hit = jnp.arange(y.shape[0]) < jnp.floor(n * attack.poisoned).astype(jnp.int32)
+    x = jnp.where(hit[:, None, None, None], add_pattern(batch["x"]), batch["x"])
+    return {**batch, "x": x, "y": jnp.where(hit, attack.target, y)}
+
+
+def _model_poisoning(trained: PyTree, broadcast: PyTree, key: jax.Array, s: float) -> PyTree:
+    return tree_map(lambda w: -s * w, trained)
+
+
+def _sign_flip(trained: PyTree, broadcast: PyTree, key: jax.Array, s: float) -> PyTree:
+    return tree_map(lambda w, b: b - s * (w - b), trained, broadcast)
+
+
+def _gaussian(trained: PyTree, broadcast: PyTree, key: jax.Array, s: float) -> PyTree:
+    leaves, treedef = jax.tree_util.tree_flatten(trained)
+    keys = jax.random.split(key, len(leaves))
+    return jax.tree_util.tree_unflatten(treedef, [
+        w + s * jax.random.normal(k, w.shape, w.dtype) for w, k in zip(leaves, keys)])
+
+
+def _boost(trained: PyTree, broadcast: PyTree, key: jax.Array, s: float) -> PyTree:
+    return tree_map(lambda w, b: b + s * (w - b), trained, broadcast)
+
+
+# The kinds that poison what an attacker trains on: fn(batch, attack) -> its batch.
+DATA_ATTACKS: Dict[str, Callable[[dict, Attack], dict]] = {
+    "label_shift": _label_shift, "label_flip": _label_flip, "backdoor": _backdoor_batch}
+# The kinds that change the model an attacker sends:
+# fn(trained, broadcast, key, scale) -> the parameters it sends in place of `trained`.
+MODEL_ATTACKS: Dict[str, Callable[[PyTree, PyTree, jax.Array, float], PyTree]] = {
+    "model_poisoning": _model_poisoning, "sign_flip": _sign_flip, "gaussian": _gaussian,
+    "backdoor": _boost}
+
+
 def poison_batch(batch: dict, attack: Attack) -> dict:
     """The batch a malicious client trains on (data attacks; others: unchanged)."""
-    y, c = batch["y"], attack.num_classes
-    if attack.kind == "label_shift":
-        return {**batch, "y": (y + 1) % c}
-    if attack.kind == "label_flip":
-        return {**batch, "y": c - 1 - y}
-    if attack.kind == "backdoor":
-        n = jnp.sum(batch["mask"]).astype(jnp.int32)  # real rows come first
-        hit = jnp.arange(y.shape[0]) < jnp.floor(n * attack.poisoned).astype(jnp.int32)
-        x = jnp.where(hit[:, None, None, None], add_pattern(batch["x"]), batch["x"])
-        return {**batch, "x": x, "y": jnp.where(hit, attack.target, y)}
-    return batch
+    poison = DATA_ATTACKS.get(attack.kind)
+    return batch if poison is None else poison(batch, attack)
 
 
 def attack_params(attack: Attack, trained: PyTree, broadcast: PyTree, key: jax.Array
                   ) -> PyTree:
     """The parameters a malicious client sends in place of `trained` (module docstring)."""
-    kind, s = attack.kind, attack.scale
-    if kind == "model_poisoning":
-        return tree_map(lambda w: -s * w, trained)
-    if kind == "sign_flip":
-        return tree_map(lambda w, b: b - s * (w - b), trained, broadcast)
-    if kind == "backdoor":
-        return tree_map(lambda w, b: b + s * (w - b), trained, broadcast)
-    if kind == "gaussian":
-        leaves, treedef = jax.tree_util.tree_flatten(trained)
-        keys = jax.random.split(key, len(leaves))
-        return jax.tree_util.tree_unflatten(treedef, [
-            w + s * jax.random.normal(k, w.shape, w.dtype) for w, k in zip(leaves, keys)])
-    return trained
+    send = MODEL_ATTACKS.get(attack.kind)
+    return trained if send is None else send(trained, broadcast, key, attack.scale)
 
 
 def with_attack(algorithm: FederatedAlgorithm, attack: Attack, malicious: np.ndarray
@@ -211,6 +240,8 @@ def with_attack(algorithm: FederatedAlgorithm, attack: Attack, malicious: np.nda
         raise ValueError(f"attack {attack.kind!r} changes the model a client sends, and "
                          f"this algorithm's output is not a model or an update")
     table = jnp.asarray(malicious, bool)
+    poison, send = DATA_ATTACKS.get(attack.kind), MODEL_ATTACKS.get(attack.kind)
+    nested = nest_local(algorithm)
 
     def client_init(server, client_state, ctx):
         inner = algorithm.client_init(server, client_state, ctx)
@@ -222,28 +253,65 @@ def with_attack(algorithm: FederatedAlgorithm, attack: Attack, malicious: np.nda
         return AttackedLocal(inner, on, jax.random.fold_in(ctx.rng, _NOISE_STREAM))
 
     def client_step(local, batch, server):
-        if attack.kind in DATA_ATTACKS:
-            bad = poison_batch(batch, attack)
-            batch = tree_map(lambda p, b: jnp.where(local.malicious, p, b), bad, batch)
-        inner, metrics = algorithm.client_step(local.inner, batch, server)
-        return local._replace(inner=inner), metrics
+        bad = poison(batch, attack)
+        batch = tree_map(lambda p, b: jnp.where(local.malicious, p, b), bad, batch)
+        return nested.client_step(local, batch, server)
 
     def client_output(local, server):
-        output, client_state = algorithm.client_output(local.inner, server)
-        if attack.kind not in MODEL_ATTACKS:
-            return output, client_state
-        view = algorithm.model_view
-        model = view.to_model(server, output)
-        broadcast = algorithm.eval_variables(server)
-        sent = {**model, "params": attack_params(attack, model["params"],
-                                                 broadcast["params"], local.rng)}
-        bad = view.to_output(server, sent)
+        output, client_state = nested.client_output(local, server)
+        bad, _ = map_sent_model(algorithm, server, output, lambda trained, broadcast: (
+            send(trained, broadcast, local.rng, attack.scale), None))
         return tree_map(lambda b, o: jnp.where(local.malicious, b, o), bad, output), client_state
 
-    return algorithm._replace(client_init=client_init, client_step=client_step,
-                              client_output=client_output)
+    return nested._replace(
+        client_init=client_init,
+        client_step=nested.client_step if poison is None else client_step,
+        client_output=nested.client_output if send is None else client_output)
 
 
-__all__ = ["Attack", "ATTACKS", "DRAWS", "DATA_ATTACKS", "MODEL_ATTACKS", "DEFAULT_SCALE",
+def from_config(algorithm: FederatedAlgorithm, cfg: Any, num_clients: int, num_classes: int,
+                sampling: str, malicious: Optional[np.ndarray] = None) -> FederatedAlgorithm:
+    """`algorithm` with `config.attack`'s malicious clients; `malicious`: their table where
+    the caller has it, else `malicious_from_config` under the resolved `sampling`."""
+    a = cfg.attack
+    scale = DEFAULT_SCALE.get(a.kind, 1.0) if a.scale is None else a.scale
+    if a.kind == "backdoor" and a.target >= num_classes:
+        raise ValueError(f"attack.target must be a class below {num_classes}, got {a.target}")
+    attack = Attack(a.kind, num_classes, scale, a.target, a.poisoned, a.start_round)
+    if malicious is None:
+        malicious = malicious_from_config(cfg, num_clients, sampling)
+    return with_attack(algorithm, attack, malicious)
+
+
+def _probes(cfg: Any, images: Any, labels: Any) -> Dict[str, Tuple[Any, Any]]:
+    """The backdoor's success: test images of the other classes, patterned, scored
+    against the target label."""
+    if cfg.attack.kind != "backdoor":
+        return {}
+    others = np.asarray(labels) != cfg.attack.target
+    return {"backdoor_success": (add_pattern(images[others]),
+                                 np.full(int(others.sum()), cfg.attack.target))}
+
+
+FEATURE = FeatureEntry(
+    "attack",
+    options={"kind": "none", "fraction": 0.2, "start_round": 0, "scale": placeholder(float),
+             "target": 2, "poisoned": 20 / 64, "draw": "fixed"},
+    rules={"kind": one_of(ATTACKS), "fraction": between(0, 1),
+           "start_round": between(0, 1e6, integer=True),
+           "scale": between(0, 1e4, optional=True), "target": between(0, 1e5, integer=True),
+           "poisoned": between(0, 1), "draw": one_of(DRAWS)},
+    off=(("kind", "none"),),
+    wrap=lambda algorithm, b: from_config(algorithm, b.cfg, b.num_clients, b.num_classes,
+                                          b.sampling),
+    needs_model=lambda cfg: cfg.attack.kind in MODEL_ATTACKS, probes=_probes,
+    summary="malicious clients (module docstring): `fraction` of them, drawn once per seed "
+            "(draw 'fixed'), or exactly int(M fraction) of each round's cohort of M "
+            "('per_round', the SageFlow authors'), from round start_round; scale unset: "
+            "the kind's default (DEFAULT_SCALE); backdoor: `poisoned` of each batch carry "
+            "the pattern and label `target`")
+
+
+__all__ = ["FEATURE", "from_config", "Attack", "ATTACKS", "DRAWS", "DATA_ATTACKS", "MODEL_ATTACKS", "DEFAULT_SCALE",
            "PATTERN", "draw_malicious", "draw_round", "round_table", "malicious_from_config",
            "attacking", "add_pattern", "poison_batch", "attack_params", "with_attack"]

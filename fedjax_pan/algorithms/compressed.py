@@ -34,9 +34,14 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pan import compression as comp
-from fedjax_pan.algorithms.core import FederatedAlgorithm, tree_bytes, weighted_mean
-from fedjax_pan.algorithms.local import split_variables
-from fedjax_pan.engine.protocol import output_update, with_output_update
+from fedjax_pan.algorithms.core import (Build, FeatureEntry, FederatedAlgorithm, tree_bytes,
+                                        weighted_mean)
+from fedjax_pan.algorithms.local import mean_loss, split_variables
+from fedjax_pan.algorithms import stragglers
+from fedjax_pan.algorithms.wrapping import (map_sent_model, map_sent_update, nest_client,
+                                            nest_local, nest_server)
+from fedjax_pan.engine.protocol import with_output_update
+from fedjax_pan.rules import Rule, between, boolean, one_of
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -105,33 +110,18 @@ def with_compression(algorithm: FederatedAlgorithm, variables: PyTree,
     params, model_state = split_variables(variables)
     upload_bytes = comp.message_bytes(upload, params) + tree_bytes(model_state)
     stateful = _has_leaves(jax.eval_shape(upload.init, params))
-    out = algorithm._replace(
-        client_state_init=_client_state_init(algorithm, upload, stateful),
-        client_init=_client_init(algorithm, upload, stateful, mask_before),
-        client_step=_client_step(algorithm, mask_before, grad_fn),
-        client_output=_client_output(algorithm, upload, target, stateful, vote),
-        upload_bytes=lambda output, local: upload_bytes,  # an int: exact past 2^24
-        server_update=(_vote_update(algorithm) if vote else algorithm.server_update),
-        model_view=None if vote else view)
-    if download is not None:
-        out = _with_download(out, algorithm, download, params, num_clients, seed)
-    return out
+    # A stateful transform's state (error feedback's residual) is kept per client beside
+    # the algorithm's own client state (`CompressedClient`).
+    nested = nest_local(nest_client(algorithm, lambda client_state: client_state.inner)
+                        if stateful else algorithm)
 
-
-def _client_state_init(algorithm, upload, stateful):
     def client_state_init(server):
-        inner = algorithm.client_state_init(server)
-        if not stateful:
-            return inner
-        params = algorithm.eval_variables(server)["params"]
-        return CompressedClient(inner, upload.init(params))
-    return client_state_init
+        inner_state = algorithm.client_state_init(server)
+        return CompressedClient(inner_state,
+                                upload.init(algorithm.eval_variables(server)["params"]))
 
-
-def _client_init(algorithm, upload, stateful, mask_before):
     def client_init(server, client_state, ctx):
-        inner_state = client_state.inner if stateful else client_state
-        local = algorithm.client_init(server, inner_state, ctx)
+        local = nested.client_init(server, client_state, ctx)
         ts = client_state.transform_state if stateful else None  # None: stateless
         prune = None
         if mask_before is not None:
@@ -141,7 +131,34 @@ def _client_init(algorithm, upload, stateful, mask_before):
             prune = _pruned(w, w, mask_before.ratio) if mask_before.score == "magnitude" \
                 else tree_map(lambda v: jnp.zeros(v.shape, bool), w)
         return CompressedLocal(local, ts, jax.random.fold_in(ctx.rng, _UPLOAD_STREAM), prune)
-    return client_init
+
+    def client_output(local, server):
+        output, inner_state = nested.client_output(local, server)
+
+        def send(x, broadcast):
+            sent, ts = comp.apply(upload, x, local.transform_state, local.key, broadcast)
+            return sent, (sent, ts)
+        output, (sent, ts) = (map_sent_model if target == "model" else map_sent_update)(
+            algorithm, server, output, send)
+        client_state = CompressedClient(inner_state, ts) if stateful else inner_state
+        if vote:
+            # The votes and each leaf's scale (sign messages are scale * sign(v)).
+            output = {"inner": output, "votes": tree_map(jnp.sign, sent),
+                      "scale": tree_map(lambda u: jnp.max(jnp.abs(u)), sent)}
+        return output, client_state
+
+    out = nested._replace(
+        client_state_init=client_state_init if stateful else nested.client_state_init,
+        client_init=client_init,
+        client_step=(nested.client_step if mask_before is None
+                     else _mask_step(nested, mask_before, grad_fn)),
+        client_output=client_output,
+        upload_bytes=lambda output, local: upload_bytes,  # an int: exact past 2^24
+        server_update=_vote_update(algorithm) if vote else nested.server_update,
+        model_view=None if vote else view)
+    if download is not None:
+        out = _with_download(out, algorithm, download, params, num_clients, seed)
+    return out
 
 
 def _pruned(weights: PyTree, scores: PyTree, ratio: float) -> PyTree:
@@ -150,12 +167,8 @@ def _pruned(weights: PyTree, scores: PyTree, ratio: float) -> PyTree:
                     weights, scores)
 
 
-def _client_step(algorithm, mask_before, grad_fn):
-    if mask_before is None:
-        def client_step(local, batch, server):
-            inner, metrics = algorithm.client_step(local.inner, batch, server)
-            return local._replace(inner=inner), metrics
-        return client_step
+def _mask_step(nested, mask_before, grad_fn):
+    """`nested.client_step` with the pre-training mask's L1 term (module docstring)."""
     shrink = mask_before.lr * mask_before.l1
 
     def client_step(local, batch, server):
@@ -166,36 +179,12 @@ def _client_step(algorithm, mask_before, grad_fn):
                 g = grad_fn(w, ms, batch)
                 return _pruned(w, tree_map(lambda a, b: a * b, g, w), mask_before.ratio)
             prune = jax.lax.cond(local.inner.step == 0, score, lambda _: prune, None)
-        inner, metrics = algorithm.client_step(local.inner, batch, server)
+        local, metrics = nested.client_step(local._replace(prune=prune), batch, server)
         # The L1 term's proximal step on the weights to be pruned.
         params = tree_map(lambda w, p: jnp.where(p, jnp.sign(w) * jnp.maximum(
-            jnp.abs(w) - shrink, 0.0), w), inner.params, prune)
-        return local._replace(inner=inner._replace(params=params), prune=prune), metrics
+            jnp.abs(w) - shrink, 0.0), w), local.inner.params, prune)
+        return local._replace(inner=local.inner._replace(params=params)), metrics
     return client_step
-
-
-def _client_output(algorithm, upload, target, stateful, vote):
-    view = algorithm.model_view
-
-    def client_output(local, server):
-        output, inner_state = algorithm.client_output(local.inner, server)
-        broadcast = algorithm.eval_variables(server)["params"]
-        if target == "model":
-            model = view.to_model(server, output)
-            sent, ts = comp.apply(upload, model["params"], local.transform_state, local.key,
-                                  broadcast)
-            output = view.to_output(server, {**model, "params": sent})
-        else:
-            x = output_update(view, server, output, broadcast)
-            update, ts = comp.apply(upload, x, local.transform_state, local.key, broadcast)
-            output = with_output_update(view, server, output, update, broadcast)
-        client_state = CompressedClient(inner_state, ts) if stateful else inner_state
-        if vote:
-            # The votes and each leaf's scale (sign messages are scale * sign(v)).
-            output = {"inner": output, "votes": tree_map(jnp.sign, update),
-                      "scale": tree_map(lambda u: jnp.max(jnp.abs(u)), update)}
-        return output, client_state
-    return client_output
 
 
 def _vote_update(algorithm):
@@ -222,6 +211,7 @@ def _with_download(out: FederatedAlgorithm, algorithm: FederatedAlgorithm,
 
     def clients_view(server):
         return server.inner._replace(params=server.public)
+    nested = nest_server(out, clients_view)
 
     def server_init(variables):
         inner = out.server_init(variables)
@@ -231,7 +221,7 @@ def _with_download(out: FederatedAlgorithm, algorithm: FederatedAlgorithm,
                               download.init(inner.params))
 
     def server_update(server, aggregate, info):
-        new = out.server_update(clients_view(server), aggregate, info)
+        new = nested.server_update(server, aggregate, info)
         diff = tree_map(jnp.subtract, new.params, server.public)
         key = jax.random.fold_in(base_key, info.round)
         sent, ts = comp.apply(download, diff, server.transform_state, key, server.public)
@@ -245,20 +235,79 @@ def _with_download(out: FederatedAlgorithm, algorithm: FederatedAlgorithm,
         behind = jnp.minimum(round_index - last, cap)
         return jnp.where(last < 0, full, jnp.minimum(full, behind * message)).astype(jnp.int32)
 
-    def client_step(local, batch, server):
-        return out.client_step(local, batch, clients_view(server))
-
-    def client_output(local, server):
-        return out.client_output(local, clients_view(server))
-
-    return out._replace(
+    # Clients train from the public model; the server's own (evaluated) is w_new.
+    return nested._replace(
         server_init=server_init, server_update=server_update,
-        client_state_init=lambda server: out.client_state_init(clients_view(server)),
-        client_init=lambda server, cs, ctx: out.client_init(clients_view(server), cs, ctx),
-        client_step=client_step, client_output=client_output,
         eval_variables=lambda server: out.eval_variables(server.inner),
         download_bytes=download_bytes, model_view=None)
 
 
-__all__ = ["TARGETS", "MASK_SCORES", "MaskBefore", "CompressedLocal", "CompressedClient",
+def server_side(cfg: Any) -> bool:
+    """`cfg` compresses the download or votes: clients train from a public model other
+    than the server's, or the server does not average their updates."""
+    return cfg.compression.download.method != "none" or cfg.compression.vote
+
+
+def _check(cfg: Any) -> None:
+    comp = cfg.compression
+    if comp.vote and comp.upload.method != "sign":
+        raise ValueError(f"compression.vote needs compression.upload.method='sign', got "
+                         f"{comp.upload.method!r}")
+    if comp.download.method in ("magnitude_mask", "importance_mask"):
+        raise ValueError(f"compression.download.method={comp.download.method!r}: masks "
+                         f"prune a client's model before it is sent; the download sends the "
+                         f"global update")
+    if comp.download.method != "none" and stragglers.late(cfg):
+        raise ValueError("compression.download needs straggler.max_delay=0 (a late "
+                         "client's download would be counted against a model it did not "
+                         "hold)")
+
+
+def _transform(side: Any) -> comp.Transform:
+    return comp.from_name(side.method, side.ratio, side.levels, side.bits,
+                          side.error_feedback, side.quantize_bits)
+
+
+def _wrap(algorithm: FederatedAlgorithm, build: Build) -> FederatedAlgorithm:
+    c, model = build.cfg.compression, build.model
+    mask = None
+    if c.mask_before != "none":
+        mask = MaskBefore(c.upload.ratio, c.mask_before, c.mask_l1, build.cfg.optimizer.lr)
+
+    def grad_fn(params, model_state, batch):
+        return jax.grad(lambda w: mean_loss(model, w, model_state, batch)[0])(params)
+    return with_compression(
+        algorithm, build.variables, _transform(c.upload),
+        target="model" if c.upload.method.endswith("_mask") else "update",
+        download=None if c.download.method == "none" else _transform(c.download),
+        num_clients=build.num_clients, seed=build.cfg.seed, vote=c.vote, mask_before=mask,
+        grad_fn=grad_fn)
+
+
+_SIDE = {"method": "none", "ratio": 0.1, "levels": 16, "bits": 8, "quantize_bits": 0,
+         "error_feedback": False}
+_SIDE_RULES = {"method": one_of(comp.METHODS), "ratio": between(0, 1, lo_open=True),
+               "levels": between(1, 2**16, integer=True), "bits": between(1, 16, integer=True),
+               "quantize_bits": between(0, 16, integer=True), "error_feedback": Rule(boolean)}
+FEATURE = FeatureEntry(
+    "compression",
+    options={"upload": dict(_SIDE), "download": dict(_SIDE), "vote": False,
+             "mask_before": "none", "mask_l1": 1e-4},
+    rules={**{f"{side}.{key}": rule for side in ("upload", "download")
+              for key, rule in _SIDE_RULES.items()},
+           "vote": Rule(boolean), "mask_before": one_of(("none",) + MASK_SCORES),
+           "mask_l1": between(0, 1e4)},
+    off=(("upload.method", "none"), ("download.method", "none"), ("mask_before", "none")),
+    check=_check, wrap=_wrap, needs_model=lambda cfg: True,
+    summary="what clients send and receive (module docstring): method 'none', 'top_k' / "
+            "'random_k' (keep `ratio` of each layer), 'qsgd' (`levels`), 'sign', 'quantize' "
+            "(`bits`), or the post-training masks 'magnitude_mask' / 'importance_mask' (keep "
+            "`ratio` of each layer's weights: the model is sent, not its update); "
+            "quantize_bits > 0 quantises the values a sparsifier keeps; error_feedback keeps "
+            "the sender's residual. vote: majority vote over sign messages. mask_before: the "
+            "slides' pre-training mask ('magnitude' or 'importance', keeping `ratio`) whose "
+            "other weights an L1 term of strength mask_l1 pushes to 0 during local training")
+
+
+__all__ = ["FEATURE", "server_side", "TARGETS", "MASK_SCORES", "MaskBefore", "CompressedLocal", "CompressedClient",
            "DownloadServer", "with_compression"]

@@ -23,7 +23,8 @@ import jax
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, own_model
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
+                                        server_model)
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
@@ -58,14 +59,12 @@ def ditto(model: nn.Module, client_tx: optax.GradientTransformation, learning_ra
           ) -> FederatedAlgorithm:
     """Ditto with proximal weight `lam`; `learning_rate` is `client_tx`'s (the proximal
     step's size); both models follow `client_tx`'s warm-up."""
+    # Any lambda >= 0, past RULES' cap: that cap keeps lr * lam float32-safe at a config's
+    # rates, while a tiny rate with a huge lambda (lambda -> infinity) is still Ditto.
     if lam < 0:
         raise ValueError(f"Ditto's lambda must be >= 0, got {lam}")
     base = fedavg(model, client_tx, server_tx)
     shrink = 1.0 / (1.0 + learning_rate * lam)
-
-    def client_state_init(server):
-        # The personal model starts as the global model's initial value.
-        return {"params": server.params, **server.model_state}
 
     def client_init(server, client_state, ctx):
         shared = base.client_init(server, None, ctx)
@@ -82,13 +81,12 @@ def ditto(model: nn.Module, client_tx: optax.GradientTransformation, learning_ra
 
     def client_output(local, server):
         output, _ = base.client_output(local.shared, server)
-        return output, {"params": local.personal.params, **local.personal.model_state}
+        return output, local_lib.model_variables(local.personal)
 
-    personal_variables = own_model
-
-    return base._replace(client_state_init=client_state_init, client_init=client_init,
+    # The personal model starts as the global model's initial value.
+    return base._replace(client_state_init=server_model, client_init=client_init,
                          client_step=client_step, client_output=client_output,
-                         personal_variables=personal_variables)
+                         personal_variables=own_model)
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,

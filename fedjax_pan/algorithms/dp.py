@@ -30,15 +30,22 @@ statistics) are refused: their statistics would be released without noise.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, Dict, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from ml_collections.config_dict import placeholder
 
-from fedjax_pan.algorithms.core import Aggregator, FederatedAlgorithm, tree_bytes
+from fedjax_pan import privacy
+from fedjax_pan.algorithms.core import (Aggregator, Build, FeatureEntry, FederatedAlgorithm,
+                                        tree_bytes)
+from fedjax_pan.algorithms.sampling import cohort_sampling, expected_clients
+from fedjax_pan.algorithms import compressed, stragglers
+from fedjax_pan.algorithms.wrapping import map_sent_update, nest_local, nest_server
 from fedjax_pan.compression import clip_by_norm
-from fedjax_pan.engine.protocol import output_update, with_output_update
+from fedjax_pan.engine.simulation import clients_per_round
 from fedjax_pan.references import Reference
+from fedjax_pan.rules import Rule, between, boolean
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -120,8 +127,7 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
             ) -> FederatedAlgorithm:
     """`algorithm` under DP-FedAvg with clip norm `clip` (adaptive: its initial value),
     noise multiplier z = `noise_multiplier`, fixed denominator m = `expected_clients`."""
-    view = algorithm.model_view
-    if view is None:
+    if algorithm.model_view is None:
         raise ValueError("DP-FedAvg clips an update, and this algorithm's output is not one")
     if clip <= 0 or expected_clients <= 0 or noise_multiplier < 0:
         raise ValueError(f"DP-FedAvg needs clip > 0, expected clients > 0 and a noise "
@@ -133,6 +139,7 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
         count_std = counting_std(adaptive.count_std, m)
         z_update = update_noise_multiplier(noise_multiplier, count_std)
     base_key = jax.random.fold_in(jax.random.PRNGKey(seed), _NOISE_STREAM)
+    nested = nest_local(nest_server(algorithm, lambda server: server.inner))
 
     def server_init(variables):
         inner = algorithm.server_init(variables)
@@ -144,63 +151,109 @@ def with_dp(algorithm: FederatedAlgorithm, clip: float, noise_multiplier: float,
         return DPServer(inner, jnp.float32(clip))
 
     def client_init(server, client_state, ctx):
-        return DPLocal(algorithm.client_init(server.inner, client_state, ctx), server.clip)
-
-    def client_step(local, batch, server):
-        inner, metrics = algorithm.client_step(local.inner, batch, server.inner)
-        return local._replace(inner=inner), metrics
+        return DPLocal(nested.client_init(server, client_state, ctx), server.clip)
 
     def client_output(local, server):
-        output, client_state = algorithm.client_output(local.inner, server.inner)
-        broadcast = algorithm.eval_variables(server.inner)["params"]
-        clipped, norm = clip_by_norm(output_update(view, server.inner, output, broadcast),
-                                     local.clip)
-        out = {"update": with_output_update(view, server.inner, output, clipped, broadcast)}
+        output, client_state = nested.client_output(local, server)
+        update, norm = map_sent_update(
+            nested, server, output, lambda update, _: clip_by_norm(update, local.clip))
+        out = {"update": update}
         if adaptive is not None:
             # The centred bit b_k - 1/2 (module docstring).
             out["unclipped"] = (norm <= local.clip).astype(jnp.float32) - 0.5
         return out, client_state
 
     def upload_bytes(output, local):
-        inner = (algorithm.upload_bytes(output["update"], local.inner)
-                 if algorithm.upload_bytes is not None else tree_bytes(output["update"]))
+        inner = (nested.upload_bytes(output["update"], local)
+                 if nested.upload_bytes is not None else tree_bytes(output["update"]))
         return inner + (1 if adaptive is not None else 0)  # the bit b_k, in one byte
 
     def server_update(server, aggregate, info):
         key = jax.random.fold_in(base_key, info.round)
         k_update, k_count = jax.random.split(key)
-        broadcast = algorithm.eval_variables(server.inner)["params"]
-        # The sum of outputs stands for the sum of clipped updates (the view is linear).
-        total = output_update(view, server.inner, aggregate["update"], broadcast)
-        leaves, treedef = jax.tree_util.tree_flatten(total)
-        keys = jax.random.split(k_update, len(leaves))
         std = z_update * server.clip
-        noised = jax.tree_util.tree_unflatten(treedef, [
-            (v + std * jax.random.normal(k, v.shape, jnp.float32)).astype(v.dtype) / m
-            for v, k in zip(leaves, keys)])
-        mean = with_output_update(view, server.inner, aggregate["update"], noised, broadcast)
-        inner = algorithm.server_update(server.inner, mean, info)
+
+        def noised(total, _):
+            leaves, treedef = jax.tree_util.tree_flatten(total)
+            keys = jax.random.split(k_update, len(leaves))
+            return jax.tree_util.tree_unflatten(treedef, [
+                (v + std * jax.random.normal(k, v.shape, jnp.float32)).astype(v.dtype) / m
+                for v, k in zip(leaves, keys)]), None
+        # The sum of outputs stands for the sum of clipped updates (the view is linear).
+        mean, _ = map_sent_update(nested, server, aggregate["update"], noised)
+        inner = nested.server_update(server, mean, info)
         c = server.clip
         if adaptive is not None:
             b = (aggregate["unclipped"] + count_std * jax.random.normal(k_count)) / m + 0.5
             c = c * jnp.exp(-adaptive.lr * (b - adaptive.quantile))
         return DPServer(inner, c.astype(jnp.float32))
 
-    return algorithm._replace(
-        server_init=server_init,
-        client_state_init=lambda server: algorithm.client_state_init(server.inner),
-        client_init=client_init, client_step=client_step, client_output=client_output,
-        server_update=server_update,
-        eval_variables=lambda server: algorithm.eval_variables(server.inner),
-        aggregator=DP_SUM, upload_bytes=upload_bytes, model_view=None,
-        download_bytes=None if algorithm.download_bytes is None else (
-            lambda server, ids, r: algorithm.download_bytes(server.inner, ids, r)),
-        personal_variables=None if algorithm.personal_variables is None else (
-            lambda server, cs: algorithm.personal_variables(server.inner, cs)),
-        personal_adapt=None if algorithm.personal_adapt is None else (
-            lambda server, cs, batch: algorithm.personal_adapt(server.inner, cs, batch)))
+    return nested._replace(
+        server_init=server_init, client_init=client_init, client_output=client_output,
+        server_update=server_update, aggregator=DP_SUM, upload_bytes=upload_bytes,
+        model_view=None)
 
 
-__all__ = ["MECHANISMS", "REFERENCES", "AdaptiveClip", "DPServer", "DPLocal", "DP_SUM", "counting_std",
-           "update_noise_multiplier",
-           "with_dp"]
+def _check(cfg: Any) -> None:
+    dp = cfg.privacy
+    if dp.clip <= 0:
+        if dp.noise_multiplier != 0 or dp.adaptive:
+            raise ValueError("privacy.noise_multiplier and privacy.adaptive need "
+                             "privacy.clip > 0")
+        return
+    if cfg.aggregation.weights != "uniform":
+        raise ValueError(f"privacy.clip > 0 (DP-FedAvg) needs aggregation.weights='uniform' "
+                         f"(each client's sensitivity is the clip norm), got "
+                         f"{cfg.aggregation.weights!r}")
+    if cfg.aggregation.rule != "mean":
+        raise ValueError(f"privacy.clip > 0 (DP-FedAvg) adds its noise to the clients' sum: "
+                         f"aggregation.rule must be 'mean', got {cfg.aggregation.rule!r}")
+    if compressed.server_side(cfg):
+        raise ValueError("privacy.clip > 0 (DP-FedAvg) clips updates against the model the "
+                         "server sends: set compression.download.method='none' and "
+                         "compression.vote=False")
+    if stragglers.late(cfg):
+        raise ValueError("privacy.clip > 0 (DP-FedAvg) needs straggler.max_delay=0")
+    if dp.adaptive and dp.noise_multiplier > 0:
+        std = counting_std(dp.count_std, expected_clients(cfg, cfg.partition.num_clients))
+        if not dp.noise_multiplier < 2 * std:
+            raise ValueError(
+                f"privacy.noise_multiplier = {dp.noise_multiplier} must be below 2 * "
+                f"privacy.count_std = {2 * std:g} with privacy.adaptive (the update's share "
+                f"of the noise, (z^-2 - (2 sigma_b)^-2)^(-1/2), must be real)")
+
+
+def _wrap(algorithm: FederatedAlgorithm, build: Build) -> FederatedAlgorithm:
+    p = build.cfg.privacy
+    adaptive = AdaptiveClip(p.quantile, p.clip_lr, p.count_std) if p.adaptive else None
+    return with_dp(algorithm, p.clip, p.noise_multiplier,
+                   expected_clients(build.cfg, build.num_clients), build.cfg.seed, adaptive)
+
+
+def _epsilon(cfg: Any, num_clients: int) -> Dict[str, Callable[[int], float]]:
+    """Epsilon at `privacy.delta` after each evaluated round (`fedjax_pan.privacy`)."""
+    sampling = cohort_sampling(cfg)
+    ledger = privacy.Ledger(cfg.privacy.noise_multiplier, cfg.privacy.delta, sampling,
+                            num_clients, clients_per_round(cfg.participation, num_clients),
+                            cfg.participation if sampling == "poisson" else None)
+    return {"dp_epsilon": ledger.epsilon}
+
+
+FEATURE = FeatureEntry(
+    "privacy",
+    options={"clip": 0.0, "noise_multiplier": 0.0, "delta": 1e-5, "adaptive": False,
+             "quantile": 0.5, "clip_lr": 0.2, "count_std": placeholder(float)},
+    rules={"clip": between(0, 1e6), "noise_multiplier": between(0, 1e4),
+           "delta": between(0, 1, lo_open=True, hi_open=True), "adaptive": Rule(boolean),
+           "quantile": between(0, 1), "clip_lr": between(0, 100),
+           "count_std": between(0, 1e6, lo_open=True, optional=True)},
+    off=(("clip", 0),), check=_check, wrap=_wrap, needs_model=lambda cfg: True,
+    round_fields=_epsilon,
+    summary="DP-FedAvg (module docstring) when clip > 0: updates clipped to `clip` "
+            "(adaptive: its start, moved towards the `quantile` of update norms at rate "
+            "clip_lr, counting noise count_std, None: m / 20), noise multiplier z on the "
+            "sum, epsilon at `delta` logged each evaluated round (fedjax_pan.privacy)")
+
+
+__all__ = ["FEATURE", "MECHANISMS", "REFERENCES", "AdaptiveClip", "DPServer", "DPLocal", "DP_SUM",
+           "counting_std", "update_noise_multiplier", "with_dp"]

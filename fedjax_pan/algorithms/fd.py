@@ -32,108 +32,17 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
-                                        server_model, tree_bytes, weighted_sum)
-from fedjax_pan.algorithms.fedproto import class_sums
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm, own_model, sends, server_model,
+                                        weighted_sum)
+from fedjax_pan.algorithms.fedproto import (ProtoLocal, class_means, collecting_sgd_step,
+                                            reported_means)
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 OPTIONS = {"lam": 1.0}
 RULES = {"lam": between(0, 1e4)}
-SUMS, COUNTS = "class_logit_sums", "class_counts"  # carried out of a step, not logged
-
-
-class FdServer(NamedTuple):
-    params: PyTree  # this network's initial model (the global evaluation's)
-    model_state: PyTree
-    logits: jax.Array  # (C, C) global average logits by class
-    present: jax.Array  # (C,) 1.0 where some client reported the class last round
-    round: jax.Array
-
-
-class FdLocal(NamedTuple):
-    train: local_lib.LocalState
-    sums: jax.Array  # (C, C) sums of the logits by class over the round's steps
-    counts: jax.Array  # (C,)
-
-
-def distillation(logits: jax.Array, labels: jax.Array, mask: jax.Array, teacher: jax.Array,
-                 present: jax.Array) -> jax.Array:
-    """Sum over real rows whose label has global logits of CE(softmax(G_y), softmax(f))."""
-    target = jax.nn.softmax(teacher[labels], axis=-1)
-    per_row = -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1), axis=-1)
-    return jnp.sum(per_row * mask * present[labels])
-
-
-def fd(model: nn.Module, client_tx: optax.GradientTransformation, *, lam: float = 1.0
-       ) -> FederatedAlgorithm:
-    """FD with distillation weight `lam` (0: each client trains alone, as Local)."""
-    if lam < 0:
-        raise ValueError(f"FD needs lam >= 0, got {lam}")
-
-    def server_init(variables):
-        params, model_state = local_lib.split_variables(variables)
-        c = params["head"]["kernel"].shape[-1]  # the classes
-        return FdServer(params, model_state, jnp.zeros((c, c), jnp.float32),
-                        jnp.zeros((c,), jnp.float32), jnp.zeros((), jnp.int32))
-
-    def client_state_init(server):
-        return {"params": server.params, **server.model_state}
-
-    def client_init(server, client_state, ctx):
-        c = server.present.shape[0]
-        return FdLocal(local_lib.init_local(client_tx, client_state, ctx.round),
-                       jnp.zeros((c, c), jnp.float32), jnp.zeros((c,), jnp.float32))
-
-    def client_step(local, batch, server):
-        def distil(params, train, batch, logits):
-            del params, train
-            term = distillation(logits, batch["y"], batch["mask"], server.logits,
-                                server.present)
-            count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
-            # The step's training-mode logits by class (PFLlib records `output`), carried
-            # out of the gradient pass beside its metrics.
-            sums, counts = class_sums(jax.lax.stop_gradient(logits).astype(jnp.float32),
-                                      batch["y"], batch["mask"], local.counts.shape[0])
-            return lam * term / count, {"distill_sum": term, SUMS: sums, COUNTS: counts}
-        train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch,
-                                            extra_loss=distil)
-        sums, counts = metrics.pop(SUMS), metrics.pop(COUNTS)
-        return FdLocal(train, local.sums + sums, local.counts + counts), metrics
-
-    def client_output(local, server):
-        del server
-        has = (local.counts > 0).astype(jnp.float32)
-        means = local.sums / jnp.maximum(local.counts, 1.0)[:, None]
-        return ({"logits": means * has[:, None], "has": has},
-                {"params": local.train.params, **local.train.model_state})
-
-    def server_update(server, sums, info):
-        del info
-        present = (sums["has"] > 0).astype(jnp.float32)
-        logits = sums["logits"] / jnp.maximum(sums["has"], 1e-12)[:, None]
-        return server._replace(logits=logits * present[:, None], present=present,
-                               round=server.round + 1)
-
-    eval_variables = server_model
-
-    personal_variables = own_model
-
-    def download_bytes(server, client_ids, round_index):
-        del client_ids, round_index
-        return tree_bytes((server.logits, server.present))
-
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              aggregator=weighted_sum, personal_variables=personal_variables,
-                              download_bytes=download_bytes)
-
-
-def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
-                server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    del server_tx  # no model is averaged
-    return fd(model, client_tx, lam=cfg.fd.lam)
 
 
 REFERENCE = Reference(
@@ -149,6 +58,72 @@ REFERENCE = Reference(
      "for it is the row's own detached logits, a term with a gradient",
      "the server's mean over the clients reporting a class follows aggregation.weights "
      "(the default 'uniform' is PFLlib's unweighted mean; 'num_examples' weighs by size)"))
+
+
+class FdServer(NamedTuple):
+    params: PyTree  # this network's initial model (the global evaluation's)
+    model_state: PyTree
+    logits: jax.Array  # (C, C) global average logits by class
+    present: jax.Array  # (C,) 1.0 where some client reported the class last round
+    round: jax.Array
+
+
+def distillation(logits: jax.Array, labels: jax.Array, mask: jax.Array, teacher: jax.Array,
+                 present: jax.Array) -> jax.Array:
+    """Sum over real rows whose label has global logits of CE(softmax(G_y), softmax(f))."""
+    target = jax.nn.softmax(teacher[labels], axis=-1)
+    per_row = -jnp.sum(target * jax.nn.log_softmax(logits, axis=-1), axis=-1)
+    return jnp.sum(per_row * mask * present[labels])
+
+
+def fd(model: nn.Module, client_tx: optax.GradientTransformation, *, lam: float = 1.0
+       ) -> FederatedAlgorithm:
+    """FD with distillation weight `lam` (0: each client trains alone, as Local); a
+    client's round collects its logits by class (`fedproto.ProtoLocal`)."""
+    check_options(RULES, "fd", lam=lam)
+
+    def server_init(variables):
+        params, model_state = local_lib.split_variables(variables)
+        c = params["head"]["kernel"].shape[-1]  # the classes
+        return FdServer(params, model_state, jnp.zeros((c, c), jnp.float32),
+                        jnp.zeros((c,), jnp.float32), jnp.zeros((), jnp.int32))
+
+    def client_init(server, client_state, ctx):
+        c = server.present.shape[0]
+        return ProtoLocal(local_lib.init_local(client_tx, client_state, ctx.round),
+                          jnp.zeros((c, c), jnp.float32), jnp.zeros((c,), jnp.float32))
+
+    def client_step(local, batch, server):
+        def distil(params, train, batch, logits):
+            del params, train
+            term = distillation(logits, batch["y"], batch["mask"], server.logits,
+                                server.present)
+            count = jnp.maximum(jnp.sum(batch["mask"]), 1.0)
+            return lam * term / count, {"distill_sum": term}
+        # The step's training-mode logits by class (PFLlib records `output`).
+        return collecting_sgd_step(model, client_tx, local, batch, distil, lambda z: z)
+
+    def client_output(local, server):
+        del server
+        logits, has = class_means(local.sums, local.counts)
+        return {"logits": logits, "has": has}, local_lib.model_variables(local.train)
+
+    def server_update(server, sums, info):
+        del info
+        logits, present = reported_means(sums["logits"], sums["has"])
+        return server._replace(logits=logits, present=present, round=server.round + 1)
+
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=server_model,
+                               aggregator=weighted_sum, personal_variables=own_model,
+                               download_bytes=sends("logits", "present"))
+
+
+def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
+                server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
+    del server_tx  # no model is averaged
+    return fd(model, client_tx, lam=cfg.fd.lam)
+
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, heterogeneous=True,
                        reference=REFERENCE)

@@ -32,7 +32,7 @@ from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlg
                                         tree_bytes)
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference
-from fedjax_pan.rules import Rule, boolean, one_of
+from fedjax_pan.rules import Rule, boolean, check_options, one_of
 
 PyTree = Any
 GROUP_WEIGHTS = ("class_samples", "presence")
@@ -93,9 +93,7 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
                          "--config.model.options.grouped=\"{'groups': 10, 'depth': 6}\" "
                          "(Fed2's G = 10 groups over the last D = 6 weight layers), or use "
                          "configs/cifar10_fed2.py")
-    if group_weights not in GROUP_WEIGHTS:
-        raise ValueError(f"unknown group_weights {group_weights!r}; expected one of "
-                         f"{GROUP_WEIGHTS}")
+    check_options(RULES, "fed2", group_weights=group_weights, trim=trim)
     groups = int(gc.groups)
     class_map = gc.class_map(model.num_classes)
     owners_of = lambda params: models.group_owners(model, {"params": params})  # noqa: E731

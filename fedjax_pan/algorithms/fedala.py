@@ -152,15 +152,12 @@ def fedala(model: nn.Module, client_tx: optax.GradientTransformation, ala_share:
                          personal_variables=personal_variables)
 
 
-def _ala_share(cfg: Any) -> float:
-    return local_lib.share_of_steps(cfg.fedala.ala_epochs, cfg.local.epochs,
-                                    "fedala.ala_epochs", "ALA's pass is")
+_ala_share = local_lib.epochs_share("fedala", "ala_epochs", "ALA's pass is")
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    share = _ala_share(cfg)
-    return fedala(model, client_tx, share, server_tx, layers=cfg.fedala.layers,
+    return fedala(model, client_tx, _ala_share(cfg), server_tx, layers=cfg.fedala.layers,
                   eta=cfg.fedala.eta)
 
 

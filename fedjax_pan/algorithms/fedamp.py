@@ -43,8 +43,9 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        own_model, server_model, tree_bytes)
-from fedjax_pan.rules import between
+                                        federated_algorithm, own_model, per_client, sends,
+                                        server_model, set_rows)
+from fedjax_pan.rules import between, check_options
 from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
@@ -53,6 +54,18 @@ tree_map = jax.tree_util.tree_map
 OPTIONS = {"alpha": 1.0, "lam": 1.0, "sigma": 1.0}
 RULES = {"alpha": between(0, 1e4, lo_open=True), "lam": between(0, 1e4),
          "sigma": between(1e-6, 1e6)}
+
+
+REFERENCE = Reference(
+    "Huang et al., 'Personalized Cross-Silo Federated Learning on Non-IID Data', AAAI 2021 "
+    "(FedAMP: attentive message passing, Eq. 3-6)",
+    pfllib("servers/serveramp.py", "clients/clientamp.py"),
+    ("the proximal term's gradient is taken, as the paper's objective; PFLlib builds it from "
+     "`.data`, so it has none and PFLlib's clients train as Local does (lam = 0 reproduces "
+     "that)",
+     "the squared norm, as the paper (PFLlib's plain norm changes only its logged loss)",
+     "the attention runs over every client that has uploaded so far (PFLlib: the last "
+     "round's uploaders), so a client's cloud model sees every peer's latest model"))
 
 
 class AmpServer(NamedTuple):
@@ -96,20 +109,13 @@ def fedamp(model: nn.Module, client_tx: optax.GradientTransformation, num_client
            alpha: float = 1.0, lam: float = 1.0, sigma: float = 1.0) -> FederatedAlgorithm:
     """FedAMP for `num_clients` clients with attention step alpha_k = `alpha`, proximal
     weight `lam` and attention scale `sigma`."""
-    if not alpha > 0 or lam < 0 or not sigma > 0:
-        raise ValueError(f"FedAMP needs alpha > 0, lam >= 0 and sigma > 0, got alpha={alpha}, "
-                         f"lam={lam}, sigma={sigma}")
+    check_options(RULES, "fedamp", alpha=alpha, lam=lam, sigma=sigma)
     prox = lam / (2.0 * alpha)
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        return AmpServer(params, model_state,
-                         tree_map(lambda x: jnp.broadcast_to(x, (num_clients, *x.shape)),
-                                  params),
+        return AmpServer(params, model_state, per_client(params, num_clients),
                          jnp.zeros((num_clients,), jnp.float32), jnp.zeros((), jnp.int32))
-
-    def client_state_init(server):
-        return {"params": server.params, **server.model_state}
 
     def client_init(server, client_state, ctx):
         own = client_state["params"]
@@ -133,27 +139,18 @@ def fedamp(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def client_output(local, server):
         del server
-        return local.train.params, {"params": local.train.params, **local.train.model_state}
+        return local.train.params, local_lib.model_variables(local.train)
 
     def server_update(server, uploads, info):
         ids = info.client_ids
-        return server._replace(
-            models=tree_map(lambda all_, new: all_.at[ids].set(new), server.models, uploads),
-            uploaded=server.uploaded.at[ids].set(1.0), round=server.round + 1)
+        return server._replace(models=set_rows(server.models, ids, uploads),
+                               uploaded=server.uploaded.at[ids].set(1.0),
+                               round=server.round + 1)
 
-    eval_variables = server_model
-
-    personal_variables = own_model
-
-    def download_bytes(server, client_ids, round_index):
-        del client_ids, round_index
-        return tree_bytes(server.params)  # u_i: one model
-
-    return FederatedAlgorithm(
-        server_init, client_state_init, client_init, client_step, client_output,
-        server_update, eval_variables,
-        aggregator=every_output,
-        personal_variables=personal_variables, download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=server_model,
+                               aggregator=every_output, personal_variables=own_model,
+                               download_bytes=sends("params"))  # u_i: one model
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -163,16 +160,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedamp(model, client_tx, cfg.partition.num_clients, alpha=o.alpha, lam=o.lam,
                   sigma=o.sigma)
 
-
-REFERENCE = Reference(
-    "Huang et al., 'Personalized Cross-Silo Federated Learning on Non-IID Data', AAAI 2021 "
-    "(FedAMP: attentive message passing, Eq. 3-6)",
-    pfllib("servers/serveramp.py", "clients/clientamp.py"),
-    ("the proximal term's gradient is taken, as the paper's objective; PFLlib builds it from "
-     "`.data`, so it has none and PFLlib's clients train as Local does (lam = 0 reproduces "
-     "that)",
-     "the squared norm, as the paper (PFLlib's plain norm changes only its logged loss)",
-     "the attention runs over every client that has uploaded so far (PFLlib: the last "
-     "round's uploaders), so a client's cloud model sees every peer's latest model"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

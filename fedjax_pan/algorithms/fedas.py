@@ -55,17 +55,32 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        server_model)
-from fedjax_pan.algorithms.moon import _WithFeatures
+                                        federated_algorithm, server_model)
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"align_epochs": 0.25, "fim_epochs": 0.25, "align_lr": 0.01}
 RULES = {"align_epochs": between(0, 1000, lo_open=True),
          "fim_epochs": between(0, 1000, lo_open=True), "align_lr": between(0, 100)}
+
+
+REFERENCE = Reference(
+    "Yang, Huang and Ye, 'FedAS: Bridging Inconsistency in Personalized Federated Learning', "
+    "CVPR 2024 (parameter alignment of the global extractor to the client's prototypes, "
+    "and aggregation weighted by the trace of the empirical Fisher information)",
+    pfllib("servers/serveras.py", "clients/clientas.py"),
+    ("the alignment pass and the FIM pass are the first and last shares "
+     "(fedas.align_epochs, fedas.fim_epochs) of local.epochs' steps on the round's batches; "
+     "PFLlib adds one epoch each besides local_epochs, the alignment on batches of 16",
+     "prototypes come from the FIM pass of the client's previous round; a client that has "
+     "not trained skips alignment (PFLlib aligns to the initial model's class means)",
+     "unselected clients compute no FIM (PFLlib computes it, unused by the aggregation); "
+     "where every F_i of a round is 0 the engine's weights are used (PFLlib divides by 0)",
+     "the server's BatchNorm statistics are the F-weighted mean of the clients'; PFLlib's "
+     "global model keeps the first uploaded client's (it averages parameters only)"))
 
 
 class AsServer(NamedTuple):
@@ -123,9 +138,8 @@ def fedas(model: nn.Module, client_tx: optax.GradientTransformation, align_share
     if align_share + fim_share >= 1.0:
         raise ValueError(f"FedAS's alignment and FIM shares of the local steps must leave "
                          f"steps to train: got {align_share} + {fim_share} >= 1")
-    if align_lr < 0:
-        raise ValueError(f"fedas.align_lr must be >= 0, got {align_lr}")
-    net = _WithFeatures(model)
+    check_options(RULES, "fedas", align_lr=align_lr)
+    net = local_lib.WithFeatures(model)
 
     def dims(params) -> Tuple[int, int]:
         linear_head(params, "FedAS")
@@ -138,8 +152,7 @@ def fedas(model: nn.Module, client_tx: optax.GradientTransformation, align_share
 
     def client_state_init(server):
         d, c = dims(server.params)
-        return {"model": {"params": server.params, **server.model_state},
-                "protos": jnp.zeros((c, d), jnp.float32),
+        return {"model": server_model(server), "protos": jnp.zeros((c, d), jnp.float32),
                 "has_proto": jnp.zeros((c,), jnp.float32)}
 
     def client_init(server, client_state, ctx):
@@ -195,7 +208,7 @@ def fedas(model: nn.Module, client_tx: optax.GradientTransformation, align_share
 
     def client_output(local, server):
         del server
-        variables = {"params": local.train.params, **local.train.model_state}
+        variables = local_lib.model_variables(local.train)
         seen = local.counts > 0
         means = local.proto_sums / jnp.maximum(local.counts, 1.0)[:, None]
         protos = jnp.where(seen[:, None], means, local.protos)
@@ -211,16 +224,13 @@ def fedas(model: nn.Module, client_tx: optax.GradientTransformation, align_share
         params, model_state = local_lib.split_variables(mean)
         return AsServer(params, model_state, server.round + 1)
 
-    eval_variables = server_model
-
     def personal_variables(server, client_state):
         del server
         return client_state["model"]
 
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              aggregator=every_output,
-                              personal_variables=personal_variables)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               aggregator=every_output, personal_variables=personal_variables)
 
 
 def _shares(cfg: Any) -> Tuple[float, float]:
@@ -241,21 +251,6 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     align, fim = _shares(cfg)
     return fedas(model, client_tx, align, fim, server_tx, align_lr=cfg.fedas.align_lr)
 
-
-REFERENCE = Reference(
-    "Yang, Huang and Ye, 'FedAS: Bridging Inconsistency in Personalized Federated Learning', "
-    "CVPR 2024 (parameter alignment of the global extractor to the client's prototypes, "
-    "and aggregation weighted by the trace of the empirical Fisher information)",
-    pfllib("servers/serveras.py", "clients/clientas.py"),
-    ("the alignment pass and the FIM pass are the first and last shares "
-     "(fedas.align_epochs, fedas.fim_epochs) of local.epochs' steps on the round's batches; "
-     "PFLlib adds one epoch each besides local_epochs, the alignment on batches of 16",
-     "prototypes come from the FIM pass of the client's previous round; a client that has "
-     "not trained skips alignment (PFLlib aligns to the initial model's class means)",
-     "unselected clients compute no FIM (PFLlib computes it, unused by the aggregation); "
-     "where every F_i of a round is 0 the engine's weights are used (PFLlib divides by 0)",
-     "the server's BatchNorm statistics are the F-weighted mean of the clients'; PFLlib's "
-     "global model keeps the first uploaded client's (it averages parameters only)"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_shares,
                        reference=REFERENCE)

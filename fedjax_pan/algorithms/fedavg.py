@@ -12,14 +12,14 @@ mean of the sampled clients' and are used only to evaluate it.
 
 from __future__ import annotations
 
-from typing import Any, Dict, NamedTuple
+from typing import Any, Dict, NamedTuple, Tuple
 
 import flax.linen as nn
 import jax
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import FederatedAlgorithm, server_model
+from fedjax_pan.algorithms.core import FederatedAlgorithm, federated_algorithm
 from fedjax_pan.engine.protocol import ModelView
 from fedjax_pan.references import Reference, pfllib
 
@@ -62,9 +62,7 @@ def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
         raise ValueError(f"unknown bn mode {bn!r}; expected one of {BN_MODES}")
 
     def server_init(variables):
-        params, model_state = local_lib.split_variables(variables)
-        return ServerState(params, model_state, server_tx.init(params),
-                           jax.numpy.zeros((), jax.numpy.int32))
+        return initial_server(server_tx, variables)
 
     def client_state_init(server):
         return server.model_state if bn == "local" and server.model_state else None
@@ -86,16 +84,29 @@ def fedavg(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def server_update(server, mean_output, info):
         del info
-        pseudo_grad = jax.tree_util.tree_map(lambda d: -d, mean_output["delta"])
-        updates, opt_state = server_tx.update(pseudo_grad, server.opt_state, server.params)
-        params = optax.apply_updates(server.params, updates)
+        params, opt_state = server_step(server_tx, server.params, server.opt_state,
+                                        mean_output["delta"])
         return ServerState(params, mean_output["model_state"], opt_state, server.round + 1)
 
-    eval_variables = server_model
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               model_view=DELTA_VIEW)
 
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              model_view=DELTA_VIEW)
+
+def initial_server(server_tx: optax.GradientTransformation, variables: PyTree) -> ServerState:
+    """FedAvg's server state for the initial model `variables`, at round 0."""
+    params, model_state = local_lib.split_variables(variables)
+    return ServerState(params, model_state, server_tx.init(params),
+                       jax.numpy.zeros((), jax.numpy.int32))
+
+
+def server_step(server_tx: optax.GradientTransformation, params: PyTree, opt_state: PyTree,
+                mean_delta: PyTree) -> Tuple[PyTree, PyTree]:
+    """FedOpt's server step: (params, opt_state) after `server_tx` on minus the clients'
+    mean delta, the pseudo-gradient."""
+    pseudo_grad = jax.tree_util.tree_map(lambda d: -d, mean_delta)
+    updates, opt_state = server_tx.update(pseudo_grad, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
 
 
 def _delta_model(server: ServerState, output: Dict[str, Any]) -> PyTree:

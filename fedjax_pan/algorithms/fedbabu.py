@@ -48,7 +48,7 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms import personal
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
+from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, sends, tree_bytes
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference, pfllib
 
@@ -56,6 +56,16 @@ PyTree = Any
 OPTIONS: dict = {}
 RULES: dict = {}
 _IS_HEAD = personal.PERSONAL["fedper"]  # the output layer `personal.HEAD`
+
+
+REFERENCE = Reference(
+    "Oh, Kim & Yun, 'FedBABU: Toward Enhanced Representation for Federated Image "
+    "Classification', ICLR 2022 (body trained and averaged, head frozen, fine-tuned to "
+    "evaluate)", pfllib("servers/serverbabu.py", "clients/clientbabu.py"),
+    ("fine-tuning (`eval.finetune_epochs`, PFLlib's 10 in the personalised experiment) runs "
+     "before every evaluation from the aggregated global model; PFLlib tunes once at the "
+     "end, from each client's own copy",
+     "the body average follows `aggregation.weights` (PFLlib: by training-set size)"))
 
 
 def _body_head(params: PyTree):
@@ -100,29 +110,17 @@ def fedbabu(model: nn.Module, client_tx: optax.GradientTransformation,
         del local
         return tree_bytes(output) - tree_bytes(output["delta"][personal.HEAD])
 
-    def download_bytes(server, client_ids, round_index):
-        del client_ids, round_index
-        return tree_bytes((_body_head(server.params)[0], server.model_state))
-
     return base._replace(server_init=server_init, client_init=client_init,
                          client_step=client_step, client_output=client_output,
                          server_update=server_update, upload_bytes=upload_bytes,
-                         download_bytes=download_bytes)
+                         download_bytes=sends(lambda server: _body_head(server.params)[0],
+                                              "model_state"))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     return fedbabu(model, client_tx, server_tx, bn=cfg.aggregation.bn)
 
-
-REFERENCE = Reference(
-    "Oh, Kim & Yun, 'FedBABU: Toward Enhanced Representation for Federated Image "
-    "Classification', ICLR 2022 (body trained and averaged, head frozen, fine-tuned to "
-    "evaluate)", pfllib("servers/serverbabu.py", "clients/clientbabu.py"),
-    ("fine-tuning (`eval.finetune_epochs`, PFLlib's 10 in the personalised experiment) runs "
-     "before every evaluation from the aggregated global model; PFLlib tunes once at the "
-     "end, from each client's own copy",
-     "the body average follows `aggregation.weights` (PFLlib: by training-set size)"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, reference=REFERENCE)
 

@@ -64,15 +64,34 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        server_model, tree_bytes)
+                                        federated_algorithm, per_client, server_model,
+                                        set_rows, tree_bytes)
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"tau": 0.5, "beta": 100}
 RULES = {"tau": between(0, 1), "beta": between(1, 1e6, integer=True)}
 TINY, NONZERO = 1e-10, 1e-20  # PFLlib's thresholds
+
+
+REFERENCE = Reference(
+    "Wu et al., 'Bold but Cautious: Unlocking the Potential of Personalized "
+    "Federated Learning through Cautiously Aggregating Collaborative Knowledge', ICCV 2023 "
+    "(FedCAC: the sensitivity |dw * w|, the per-layer top-tau critical mask, the overlap "
+    "o_ij, the threshold T and the customised global model, Algorithm 1)",
+    pfllib("servers/servercac.py", "clients/clientcac.py"),
+    ("defaults tau = 0.5, beta = 100 are the authors' released configuration (Fling); "
+     "PFLlib's defaults (tau = 1.0, beta = 0, which fails its own assert beta >= 1) do not "
+     "run FedCAC",
+     "BatchNorm statistics are the global model's, averaged as FedAvg's; PFLlib mixes "
+     "parameters only and its clients keep their own running statistics",
+     "round 0 builds customised models as every round does; PFLlib builds none in round 0 "
+     "(its epoch != 0 test), so after round 0 its critical parameters take the initial "
+     "model's values",
+     "with one client in a round its customised model is its own (PFLlib's threshold "
+     "over no pairs is undefined)"))
 
 
 class CacServer(NamedTuple):
@@ -135,16 +154,12 @@ def fedcac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
     """FedCAC over `num_clients` clients, critical share `tau`, collaboration horizon
     `beta` rounds; the global model is the plain weighted mean (no server optimiser)."""
     del server_tx  # PFLlib's global model is the weighted mean itself
-    if not 0.0 <= tau <= 1.0:
-        raise ValueError(f"fedcac.tau must lie in [0, 1], got {tau}")
-    if int(beta) != beta or beta < 1:
-        raise ValueError(f"fedcac.beta must be an integer >= 1, got {beta}")
+    check_options(RULES, "fedcac", tau=tau, beta=beta)
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        stack = tree_map(lambda v: jnp.broadcast_to(v, (num_clients, *v.shape)), params)
-        return CacServer(params, model_state, stack, jnp.zeros((num_clients,), bool),
-                         jnp.zeros((), jnp.int32))
+        return CacServer(params, model_state, per_client(params, num_clients),
+                         jnp.zeros((num_clients,), bool), jnp.zeros((), jnp.int32))
 
     def client_state_init(server):
         return {"critical": tree_map(lambda p: jnp.zeros(p.shape, bool), server.params),
@@ -186,14 +201,9 @@ def fedcac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
         custom = tree_map(lambda x: jnp.tensordot(share.astype(x.dtype), x, axes=1),
                           outs["params"])
         ids, present = info.client_ids, w > 0
-        customized = tree_map(
-            lambda s, u: s.at[ids].set(jnp.where(present.reshape((-1,) + (1,) * (u.ndim - 1)),
-                                                 u, s[ids])), server.customized, custom)
-        return CacServer(params, model_state, customized,
+        return CacServer(params, model_state, set_rows(server.customized, ids, custom, present),
                          server.built.at[ids].set(server.built[ids] | present),
                          server.round + 1)
-
-    eval_variables = server_model
 
     def personal_variables(server, client_state):
         return {"params": own_model(server, client_state, client_state["id"]),
@@ -201,16 +211,15 @@ def fedcac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def download_bytes(server, client_ids, round_index):
         del round_index
-        glob = tree_bytes(eval_variables(server))
+        glob = tree_bytes(server_model(server))
         custom = tree_bytes(server.params)
         return jnp.where(jnp.asarray(server.built)[jnp.asarray(client_ids)], glob + custom,
                          glob).astype(jnp.int32)
 
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              aggregator=every_output,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               aggregator=every_output, personal_variables=personal_variables,
+                               download_bytes=download_bytes)
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -219,25 +228,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   tau=cfg.fedcac.tau, beta=cfg.fedcac.beta)
 
 
-REFERENCE = Reference(
-    "Wu et al., 'Bold but Cautious: Unlocking the Potential of Personalized "
-    "Federated Learning through Cautiously Aggregating Collaborative Knowledge', ICCV 2023 "
-    "(FedCAC: the sensitivity |dw * w|, the per-layer top-tau critical mask, the overlap "
-    "o_ij, the threshold T and the customised global model, Algorithm 1)",
-    pfllib("servers/servercac.py", "clients/clientcac.py"),
-    ("defaults tau = 0.5, beta = 100 are the authors' released configuration (Fling); "
-     "PFLlib's defaults (tau = 1.0, beta = 0, which fails its own assert beta >= 1) do not "
-     "run FedCAC",
-     "BatchNorm statistics are the global model's, averaged as FedAvg's; PFLlib mixes "
-     "parameters only and its clients keep their own running statistics",
-     "round 0 builds customised models as every round does; PFLlib builds none in round 0 "
-     "(its epoch != 0 test), so after round 0 its critical parameters take the initial "
-     "model's values",
-     "with one client in a round its customised model is its own (PFLlib's threshold "
-     "over no pairs is undefined)"))
-
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
-                       reference=REFERENCE)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)
 
 __all__ = ["fedcac", "critical_mask", "overlaps", "collaborators", "CacServer", "CacLocal",
            "OPTIONS", "RULES", "ENTRY"]

@@ -48,12 +48,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
-from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm, sends)
+from fedjax_pan.algorithms.fedavg import server_step
 from fedjax_pan.algorithms.personal import HEAD, linear_head
+from fedjax_pan.engine import Groups
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -63,6 +66,25 @@ RULES = {"lam": between(0, 1e4), "tau": between(0.01, 100)}
 BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)  # PFLlib's MMD(kernel='rbf')
 COLLECTION = "fedcp"  # the personal model's extra variables (CPNet reads them)
 LN_EPS = 1e-5  # PyTorch's LayerNorm
+
+
+REFERENCE = Reference(
+    "Zhang et al., 'FedCP: Separating Feature Information for "
+    "Personalized Federated Learning via Conditional Policy', KDD 2023 (Algorithm 1: the "
+    "conditional policy s_i over h * v_i, the ensemble of personal and global heads, the "
+    "CE + lambda MMD loss)",
+    pfllib("servers/servercp.py", "clients/clientcp.py"),
+    ("clients receive the latest global head and CPN at the start of the round they are "
+     "sampled in (the paper's Algorithm 1); PFLlib hands them only to the round's clients "
+     "at its end, so a client trains with those of its own last round",
+     "the personal model is evaluated with the noise-free policy softmax([a_p, a_g] / tau); "
+     "PFLlib samples Gumbel noise at test time too (a random prediction)",
+     "a client that has never trained uses one uniform-[0, 1) context drawn from the config "
+     "seed and shared by all clients; PFLlib draws one per client (torch.rand)",
+     "BatchNorm statistics are averaged with the extractor; PFLlib aggregates and sends "
+     "parameters only (each client keeps its own running statistics)",
+     "runs through a one-group Groups driver evaluating CPNet: stragglers, attacks, "
+     "shuffling, fine-tuning and model.architectures are refused"))
 
 
 class CPServer(NamedTuple):
@@ -155,7 +177,7 @@ class CPNet(NamedTuple):
             return self.model.apply(variables, x, train=train, mask=mask, mutable=mutable)
         extra = variables[COLLECTION]
         rest = {k: v for k, v in variables.items() if k != COLLECTION}
-        _, h = _WithFeatures(self.model).apply(rest, x, train=False, mask=mask)
+        _, h = local_lib.WithFeatures(self.model).apply(rest, x, train=False, mask=mask)
         return ensemble_logits(h, rest["params"][HEAD], extra["head_g"], extra["cs"],
                                extra["context"], self.tau)
 
@@ -165,11 +187,8 @@ def fedcp(model: nn.Module, client_tx: optax.GradientTransformation,
           tau: float = 1.0, seed: int = 0) -> FederatedAlgorithm:
     """FedCP for a flax `model` that sows 'features' under a linear `head`; the CPN and
     the untrained clients' context are drawn from `seed`."""
-    if not 0 <= lam <= 1e4:
-        raise ValueError(f"FedCP's lam must lie in [0, 1e4], got {lam}")
-    if not 0.01 <= tau <= 100:
-        raise ValueError(f"FedCP's tau must lie in [0.01, 100], got {tau}")
-    net = _WithFeatures(model)
+    check_options(RULES, "fedcp", lam=lam, tau=tau)
+    net = local_lib.WithFeatures(model)
     key0 = jax.random.fold_in(jax.random.PRNGKey(seed), 0xFC)
 
     def server_init(variables):
@@ -219,9 +238,7 @@ def fedcp(model: nn.Module, client_tx: optax.GradientTransformation,
             return ce_sum / n + lam * mmd, (ce_sum, new_state, mmd)
 
         grads, (ce_sum, new_state, mmd) = jax.grad(loss_fn, has_aux=True)(train.params)
-        updates, opt_state = client_tx.update(grads, train.opt_state, train.params)
-        params = optax.apply_updates(train.params, updates)
-        train = local_lib.LocalState(params, new_state, opt_state, train.step + 1)
+        train = local_lib.apply_gradients(client_tx, train, grads, new_state)
         return local._replace(train=train), {"loss_sum": ce_sum, "num_examples": jnp.sum(mask),
                                              "mmd_sum": mmd * jnp.sum(mask)}
 
@@ -238,17 +255,11 @@ def fedcp(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def server_update(server, mean_output, info):
         del info
-        shared = {"params": server.params, "cs": server.cs}
-        grad = tree_map(jnp.negative, mean_output["delta"])
-        updates, opt_state = server_tx.update(grad, server.opt_state, shared)
-        shared = optax.apply_updates(shared, updates)
+        shared, opt_state = server_step(server_tx, {"params": server.params, "cs": server.cs},
+                                        server.opt_state, mean_output["delta"])
         return server._replace(params=shared["params"], cs=shared["cs"],
                                model_state=mean_output["model_state"], opt_state=opt_state,
                                round=server.round + 1)
-
-    def eval_variables(server):
-        # The global extractor with the global head (the bare architecture).
-        return {"params": server.params, **server.model_state}
 
     def personal_variables(server, client_state):
         params = {**server.params, HEAD: client_state["head"]}
@@ -256,15 +267,12 @@ def fedcp(model: nn.Module, client_tx: optax.GradientTransformation,
                  "context": context(server, client_state)}
         return {"params": params, COLLECTION: extra, **server.model_state}
 
-    def download_bytes(server, client_ids, round_index):
-        # The global extractor and head, their statistics, and the CPN.
-        del client_ids, round_index
-        return tree_bytes((server.params, server.model_state, server.cs))
-
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    # The global model is the global extractor with the global head (the bare
+    # architecture); a client downloads them, their statistics, and the CPN.
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               personal_variables=personal_variables,
+                               download_bytes=sends("params", "model_state", "cs"))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -278,9 +286,6 @@ def one_group(name: str, network: Any, model: nn.Module, cfg: Any,
     """One group over every client (`engine.groups.Groups`: Simulation's numbers) whose
     network is `network`, so that clients are scored on their own models; the model
     starts from the seed's key as the config's model does."""
-    from fedjax_pan import models
-    from fedjax_pan.algorithms import registry
-    from fedjax_pan.engine import Groups
     if cfg.model.architectures:
         raise ValueError(f"{name} runs one architecture: model.architectures must be ''")
     if cfg.aggregation.rule != "mean":
@@ -288,10 +293,8 @@ def one_group(name: str, network: Any, model: nn.Module, cfg: Any,
                          f"{cfg.aggregation.rule!r}")
     data = services.data
     variables = models.init(model, jax.random.PRNGKey(cfg.seed), tuple(data.images.shape[1:]))
-    server = cfg.server
-    server_tx = registry.server_optimizer(server.optimizer, server.lr, server.momentum)
     return Groups([network], [variables], np.zeros(data.num_clients, np.int64),
-                  [build(model, cfg, client_tx, server_tx)], services,
+                  [build(model, cfg, client_tx, services.server_tx)], services,
                   cfg.aggregation.weights)
 
 
@@ -301,24 +304,6 @@ def driver(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
     return one_group("FedCP", CPNet(model, cfg.fedcp.tau), model, cfg, client_tx, services,
                      from_config)
 
-
-REFERENCE = Reference(
-    "Zhang et al., 'FedCP: Separating Feature Information for "
-    "Personalized Federated Learning via Conditional Policy', KDD 2023 (Algorithm 1: the "
-    "conditional policy s_i over h * v_i, the ensemble of personal and global heads, the "
-    "CE + lambda MMD loss)",
-    pfllib("servers/servercp.py", "clients/clientcp.py"),
-    ("clients receive the latest global head and CPN at the start of the round they are "
-     "sampled in (the paper's Algorithm 1); PFLlib hands them only to the round's clients "
-     "at its end, so a client trains with those of its own last round",
-     "the personal model is evaluated with the noise-free policy softmax([a_p, a_g] / tau); "
-     "PFLlib samples Gumbel noise at test time too (a random prediction)",
-     "a client that has never trained uses one uniform-[0, 1) context drawn from the config "
-     "seed and shared by all clients; PFLlib draws one per client (torch.rand)",
-     "BatchNorm statistics are averaged with the extractor; PFLlib aggregates and sends "
-     "parameters only (each client keeps its own running statistics)",
-     "runs through a one-group Groups driver evaluating CPNet: stragglers, attacks, "
-     "shuffling, fine-tuning and model.architectures are refused"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=driver, personal=True,
                        reference=REFERENCE)

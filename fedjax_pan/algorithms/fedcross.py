@@ -53,9 +53,10 @@ import optax
 from fedjax_pan import models as models_lib
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        own_model, server_model)
+                                        federated_algorithm, own_model, per_client,
+                                        server_model, set_rows)
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between, one_of
+from fedjax_pan.rules import between, check_options, one_of
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -64,6 +65,26 @@ OPTIONS = {"alpha": 0.99, "strategy": "least_similar", "first_stage_bound": 0}
 RULES = {"alpha": between(0, 1), "strategy": one_of(STRATEGIES),
          "first_stage_bound": between(0, 1e6, integer=True)}
 EPS = 1e-8  # PyTorch's cosine_similarity clamps each norm at eps
+
+
+REFERENCE = Reference(
+    "Hu et al., 'FedCross: Towards Accurate Federated "
+    "Learning via Multi-Model Cross-Aggregation', ICDE 2024 (Algorithm 1: middleware models "
+    "trained by clients, then w_j <- alpha w_j + (1 - alpha) w_c(j) by the collaborative "
+    "model selection strategy)",
+    pfllib("servers/servercross.py", "clients/clientcross.py"),
+    ("the server keeps one middleware model per client and a sampled client trains its "
+     "own; PFLlib keeps M (the clients a round) and hands the j-th to the round's j-th "
+     "sampled client, so a middleware model visits a random client each round (equal under "
+     "full participation up to the dispatch)",
+     "with one client a round it keeps its own model (PFLlib's cyclic offset divides by "
+     "M - 1 = 0)",
+     "similarities are summed over each layer's parameters (the last layer twice); PFLlib "
+     "pairs consecutive state_dict entries, which with BatchNorm buffers do not align with "
+     "layers",
+     "the global model (the round's weighted mean, BatchNorm statistics averaged) is "
+     "evaluated as the 'global' one; PFLlib computes it (with the first uploaded client's "
+     "statistics) but scores only the clients' own models"))
 
 
 class CrossServer(NamedTuple):
@@ -116,14 +137,8 @@ def fedcross(model: nn.Module, client_tx: optax.GradientTransformation, num_clie
              ) -> FederatedAlgorithm:
     """FedCross over `num_clients` clients, each with a middleware model."""
     del server_tx  # the global model is the weighted mean itself (PFLlib's)
-    if not 0.0 <= alpha <= 1.0:
-        raise ValueError(f"fedcross.alpha must lie in [0, 1], got {alpha}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown fedcross.strategy {strategy!r}; expected one of "
-                         f"{STRATEGIES}")
-    if int(first_stage_bound) != first_stage_bound or first_stage_bound < 0:
-        raise ValueError(f"fedcross.first_stage_bound must be an integer >= 0, got "
-                         f"{first_stage_bound}")
+    check_options(RULES, "fedcross", alpha=alpha, strategy=strategy,
+                  first_stage_bound=first_stage_bound)
 
     def order(params):
         if hasattr(model, "weight_layers"):
@@ -132,11 +147,8 @@ def fedcross(model: nn.Module, client_tx: optax.GradientTransformation, num_clie
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        stack = tree_map(lambda v: jnp.broadcast_to(v, (num_clients, *v.shape)), variables)
-        return CrossServer(params, model_state, stack, jnp.zeros((), jnp.int32))
-
-    def client_state_init(server):
-        return {"params": server.params, **server.model_state}
+        return CrossServer(params, model_state, per_client(variables, num_clients),
+                           jnp.zeros((), jnp.int32))
 
     def client_init(server, client_state, ctx):
         del client_state
@@ -162,10 +174,7 @@ def fedcross(model: nn.Module, client_tx: optax.GradientTransformation, num_clie
         pick = collaborators(sim, info.round, strategy)
         pick = jnp.where(present[pick], pick, jnp.arange(pick.shape[0]))
         crossed = tree_map(lambda x: alpha * x + (1.0 - alpha) * x[pick], trained)
-        stored = {**outs, "params": crossed}
-        keep = lambda s, u: s.at[ids].set(  # noqa: E731
-            jnp.where(present.reshape((-1,) + (1,) * (u.ndim - 1)), u, s[ids]))
-        middleware = tree_map(keep, server.middleware, stored)
+        middleware = set_rows(server.middleware, ids, {**outs, "params": crossed}, present)
         # The first stage: every middleware model takes the global model's parameters.
         first = server.round < first_stage_bound
         reset = tree_map(lambda s, g: jnp.where(first, jnp.broadcast_to(g, s.shape), s),
@@ -173,14 +182,9 @@ def fedcross(model: nn.Module, client_tx: optax.GradientTransformation, num_clie
         return CrossServer(params, model_state, {**middleware, "params": reset},
                            server.round + 1)
 
-    eval_variables = server_model
-
-    personal_variables = own_model
-
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              aggregator=every_output,
-                              personal_variables=personal_variables)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=server_model,
+                               aggregator=every_output, personal_variables=own_model)
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -190,27 +194,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                     strategy=o.strategy, first_stage_bound=o.first_stage_bound)
 
 
-REFERENCE = Reference(
-    "Hu et al., 'FedCross: Towards Accurate Federated "
-    "Learning via Multi-Model Cross-Aggregation', ICDE 2024 (Algorithm 1: middleware models "
-    "trained by clients, then w_j <- alpha w_j + (1 - alpha) w_c(j) by the collaborative "
-    "model selection strategy)",
-    pfllib("servers/servercross.py", "clients/clientcross.py"),
-    ("the server keeps one middleware model per client and a sampled client trains its "
-     "own; PFLlib keeps M (the clients a round) and hands the j-th to the round's j-th "
-     "sampled client, so a middleware model visits a random client each round (equal under "
-     "full participation up to the dispatch)",
-     "with one client a round it keeps its own model (PFLlib's cyclic offset divides by "
-     "M - 1 = 0)",
-     "similarities are summed over each layer's parameters (the last layer twice); PFLlib "
-     "pairs consecutive state_dict entries, which with BatchNorm buffers do not align with "
-     "layers",
-     "the global model (the round's weighted mean, BatchNorm statistics averaged) is "
-     "evaluated as the 'global' one; PFLlib computes it (with the first uploaded client's "
-     "statistics) but scores only the clients' own models"))
-
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
-                       reference=REFERENCE)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)
 
 __all__ = ["fedcross", "similarities", "collaborators", "CrossServer", "STRATEGIES",
            "OPTIONS", "RULES", "ENTRY"]

@@ -39,17 +39,28 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
-                                        server_model, tree_bytes)
-from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm, own_model, sends, server_model)
+from fedjax_pan.algorithms.fedavg import server_step
 from fedjax_pan.algorithms.personal import HEAD, linear_head
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"lam": 1.0, "head_fraction": 0.5}
 RULES = {"lam": between(0, 1e4), "head_fraction": between(0, 1, lo_open=True, hi_open=True)}
+
+
+REFERENCE = Reference(
+    "Shi & Kontar, 'Personalized Federated Learning via Domain Adaptation with an "
+    "Application to Distributed 3D Printing', Technometrics 2023 (FedDA)",
+    pfllib("servers/serverda.py", "clients/clientda.py"),
+    ("the head penalty's gradient is taken; PFLlib builds it from `.data`, so it has none "
+     "(lam = 0 reproduces PFLlib's training)",
+     "one client optimiser serves both heads and the extractor (PFLlib: a second SGD for "
+     "the global head)",
+     "the head average follows `aggregation.weights` (PFLlib: by training-set size)"))
 
 
 class DaServer(NamedTuple):
@@ -76,19 +87,14 @@ def fedda(model: nn.Module, client_tx: optax.GradientTransformation,
           server_tx: optax.GradientTransformation = optax.sgd(1.0), *, lam: float = 1.0,
           head_fraction: float = 0.5) -> FederatedAlgorithm:
     """PFL-DA for a flax `model` that sows 'features' under a linear `head`."""
-    if not 0 <= lam <= 1e4:
-        raise ValueError(f"FedDA's lam must lie in [0, 1e4], got {lam}")
-    local_lib.check_share(head_fraction, "FedDA's head_fraction")
-    net = _WithFeatures(model)
+    check_options(RULES, "fedda", lam=lam, head_fraction=head_fraction)
+    net = local_lib.WithFeatures(model)
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
         linear_head(params, "FedDA")
         return DaServer(params, model_state, server_tx.init(params[HEAD]),
                         jnp.zeros((), jnp.int32))
-
-    def client_state_init(server):
-        return {"params": server.params, **server.model_state}
 
     def client_init(server, client_state, ctx):
         params, model_state = local_lib.split_variables(client_state)
@@ -139,24 +145,15 @@ def fedda(model: nn.Module, client_tx: optax.GradientTransformation,
 
     def server_update(server, mean_output, info):
         del info
-        grad = tree_map(jnp.negative, mean_output["delta"])
-        updates, opt_state = server_tx.update(grad, server.opt_state, server.params[HEAD])
-        head = optax.apply_updates(server.params[HEAD], updates)
+        head, opt_state = server_step(server_tx, server.params[HEAD], server.opt_state,
+                                      mean_output["delta"])
         return DaServer({**server.params, HEAD: head}, server.model_state, opt_state,
                         server.round + 1)
 
-    eval_variables = server_model
-
-    personal_variables = own_model
-
-    def download_bytes(server, client_ids, round_index):
-        del client_ids, round_index
-        return tree_bytes(server.params[HEAD])  # only the global head travels
-
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=server_model,
+                               personal_variables=own_model,
+                               download_bytes=sends(lambda server: server.params[HEAD]))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -164,15 +161,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedda(model, client_tx, server_tx, lam=cfg.fedda.lam,
                  head_fraction=cfg.fedda.head_fraction)
 
-
-REFERENCE = Reference(
-    "Shi & Kontar, 'Personalized Federated Learning via Domain Adaptation with an "
-    "Application to Distributed 3D Printing', Technometrics 2023 (FedDA)",
-    pfllib("servers/serverda.py", "clients/clientda.py"),
-    ("the head penalty's gradient is taken; PFLlib builds it from `.data`, so it has none "
-     "(lam = 0 reproduces PFLlib's training)",
-     "one client optimiser serves both heads and the extractor (PFLlib: a second SGD for "
-     "the global head)",
-     "the head average follows `aggregation.weights` (PFLlib: by training-set size)"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

@@ -56,17 +56,33 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm, tree_bytes)
 from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 OPTIONS = {"momentum": 0.1, "kl_weight": 0.0, "mean_rounds": 1}
 RULES = {"momentum": between(0, 1), "kl_weight": between(0, 1e4),
          "mean_rounds": between(1, 1e6, integer=True)}
+
+
+REFERENCE = Reference(
+    "Zhang et al., 'Eliminating Domain Bias for Federated "
+    "Learning in Representation Space', NeurIPS 2023 (FedDBE: the personalised "
+    "representation bias PRBM and the mean regularisation MR towards the consensus mean, "
+    "Algorithm 1)",
+    pfllib("servers/serverdbe.py", "clients/clientdbe.py"),
+    ("the global mean is estimated over the first feddbe.mean_rounds sampled rounds (their "
+     "clients' training kept) and then frozen; PFLlib trains every client once before round "
+     "0 (that training discarded) to form it from all clients",
+     "the PRBM c_i is stepped by client_tx together with the model; PFLlib gives it a plain "
+     "SGD at the same learning rate (the same step where client_tx is plain SGD without "
+     "weight decay)",
+     "BatchNorm statistics are averaged as FedAvg's default (bn='mean'); PFLlib aggregates "
+     "parameters only"))
 
 
 class DbeServer(NamedTuple):
@@ -107,14 +123,10 @@ def feddbe(model: nn.Module, client_tx: optax.GradientTransformation,
            ) -> FederatedAlgorithm:
     """FedDBE for a flax `model` that sows 'features' into a linear `head`; the global mean
     is estimated over the first `mean_rounds` rounds."""
-    if not 0.0 <= momentum <= 1.0:
-        raise ValueError(f"feddbe.momentum must lie in [0, 1], got {momentum}")
-    if kl_weight < 0:
-        raise ValueError(f"feddbe.kl_weight must be >= 0, got {kl_weight}")
-    if int(mean_rounds) != mean_rounds or mean_rounds < 1:
-        raise ValueError(f"feddbe.mean_rounds must be an integer >= 1, got {mean_rounds}")
+    check_options(RULES, "feddbe", momentum=momentum, kl_weight=kl_weight,
+                  mean_rounds=mean_rounds)
     base = fedavg(model, client_tx, server_tx)
-    net = _WithFeatures(model)
+    net = local_lib.WithFeatures(model)
 
     def width(params):
         linear_head(params, "FedDBE")
@@ -149,10 +161,8 @@ def feddbe(model: nn.Module, client_tx: optax.GradientTransformation,
 
         grads, ((ce_sum, reg, running), new_state) = jax.grad(loss_fn, has_aux=True)(
             train.params)
-        updates, opt_state = client_tx.update(grads, train.opt_state, train.params)
-        params = optax.apply_updates(train.params, updates)
+        new_train = local_lib.apply_gradients(client_tx, train, grads, new_state)
         n = jnp.sum(batch["mask"])
-        new_train = local_lib.LocalState(params, new_state, opt_state, train.step + 1)
         return (local._replace(train=new_train, running=running),
                 {"loss_sum": ce_sum, "num_examples": n, "mean_reg_sum": local.on * reg * n})
 
@@ -192,11 +202,11 @@ def feddbe(model: nn.Module, client_tx: optax.GradientTransformation,
         mean = tree_bytes(server.global_mean)
         return jnp.where(jnp.asarray(round_index) > 0, model + mean, model).astype(jnp.int32)
 
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              upload_bytes=upload_bytes,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               eval_variables=eval_variables, upload_bytes=upload_bytes,
+                               personal_variables=personal_variables,
+                               download_bytes=download_bytes)
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -206,22 +216,6 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   mean_rounds=o.mean_rounds)
 
 
-REFERENCE = Reference(
-    "Zhang et al., 'Eliminating Domain Bias for Federated "
-    "Learning in Representation Space', NeurIPS 2023 (FedDBE: the personalised "
-    "representation bias PRBM and the mean regularisation MR towards the consensus mean, "
-    "Algorithm 1)",
-    pfllib("servers/serverdbe.py", "clients/clientdbe.py"),
-    ("the global mean is estimated over the first feddbe.mean_rounds sampled rounds (their "
-     "clients' training kept) and then frozen; PFLlib trains every client once before round "
-     "0 (that training discarded) to form it from all clients",
-     "the PRBM c_i is stepped by client_tx together with the model; PFLlib gives it a plain "
-     "SGD at the same learning rate (the same step where client_tx is plain SGD without "
-     "weight decay)",
-     "BatchNorm statistics are averaged as FedAvg's default (bn='mean'); PFLlib aggregates "
-     "parameters only"))
-
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
-                       reference=REFERENCE)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)
 
 __all__ = ["feddbe", "dbe_objective", "DbeServer", "DbeLocal", "OPTIONS", "RULES", "ENTRY"]

@@ -43,11 +43,12 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm)
 from fedjax_pan.algorithms.fedavg import ServerState, fedavg
 from fedjax_pan.algorithms.fedprox import proximal_term
 from fedjax_pan.references import Reference
-from fedjax_pan.rules import Rule, between, boolean
+from fedjax_pan.rules import Rule, between, boolean, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -95,8 +96,7 @@ def feddyn(model: nn.Module, client_tx: optax.GradientTransformation, *, alpha: 
            bn: str = "mean", loss: local_lib.LossSum = local_lib.masked_cross_entropy
            ) -> FederatedAlgorithm:
     """FedDyn for a flax `model`, under uniform aggregation weights (see the module doc)."""
-    if not alpha > 0:
-        raise ValueError(f"FedDyn needs alpha > 0 (the server divides by it), got {alpha}")
+    check_options(RULES, "feddyn", alpha=alpha, log_term=log_term)
     # The server step theta + (mean delta - h/alpha) is FedAvg's with sgd(1).
     base = fedavg(model, client_tx, optax.sgd(1.0), bn=bn, loss=loss)
 
@@ -142,8 +142,9 @@ def feddyn(model: nn.Module, client_tx: optax.GradientTransformation, *, alpha: 
     def eval_variables(server):
         return base.eval_variables(server.base)
 
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               eval_variables=eval_variables)
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,

@@ -56,10 +56,11 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        server_model, tree_bytes)
+                                        federated_algorithm, per_client, server_model,
+                                        set_rows, tree_bytes)
 from fedjax_pan.engine.simulation import clients_per_round
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -67,6 +68,20 @@ OPTIONS = {"m": 5, "val_epochs": 0.2}
 RULES = {"m": between(1, 100000, integer=True),
          "val_epochs": between(0, 1000, lo_open=True)}
 EPS = 1e-5  # PFLlib's, added to the distance
+
+
+REFERENCE = Reference(
+    "Zhang, Sapra, Fidler, Yeung and Alvarez, 'Personalized Federated Learning with First "
+    "Order Model Optimization', ICLR 2021 (FedFomo: the first-order weights w_n on the "
+    "received models and the affinity matrix P, Algorithm 1)",
+    pfllib("servers/serverfomo.py", "clients/clientfomo.py"),
+    ("validation is the first round(val_epochs x steps) local steps of the round (the "
+     "start of its first epoch's order, trained on afterwards); PFLlib holds out the last "
+     "20% of a client's training data",
+     "L is the mean loss over the validation examples; PFLlib's is the mean of its "
+     "batches' means",
+     "a client whose validation pass has no step keeps its model and adds nothing to P",
+     "there is no global model: the global evaluation shows the initial model"))
 
 
 class FomoServer(NamedTuple):
@@ -114,18 +129,16 @@ def fedfomo(model: nn.Module, client_tx: optax.GradientTransformation, num_clien
     first round(val_share x local steps) steps of a round are its validation pass."""
     del server_tx  # nothing is averaged
     local_lib.check_share(val_share, "FedFomo's share of local steps for validation")
-    if not 1 <= m:
-        raise ValueError(f"fedfomo.m must be >= 1, got {m}")
+    check_options(RULES, "fedfomo", m=m)
     m = min(int(m), int(num_clients))
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        stack = tree_map(lambda v: jnp.broadcast_to(v, (num_clients, *v.shape)), variables)
-        return FomoServer(params, model_state, stack, jnp.eye(num_clients, dtype=jnp.float32),
-                          jnp.zeros((), jnp.int32))
+        return FomoServer(params, model_state, per_client(variables, num_clients),
+                          jnp.eye(num_clients, dtype=jnp.float32), jnp.zeros((), jnp.int32))
 
     def client_state_init(server):
-        return {"model": {"params": server.params, **server.model_state}, "old": server.params}
+        return {"model": server_model(server), "old": server.params}
 
     def client_init(server, client_state, ctx):
         _, ids = jax.lax.top_k(server.affinity[ctx.client_id], m)
@@ -183,18 +196,15 @@ def fedfomo(model: nn.Module, client_tx: optax.GradientTransformation, num_clien
     def client_output(local, server):
         raw, weights = weights_of(local)
         vector = jnp.zeros((num_clients,), jnp.float32).at[local.ids].add(raw)
-        variables = {"params": local.train.params, **local.train.model_state}
+        variables = local_lib.model_variables(local.train)
         start = mix_params(weights, local.candidates["params"], local.own)
         return {"model": variables, "weights": vector}, {"model": variables, "old": start}
 
     def server_update(server, outputs, info):
         ids = info.client_ids
-        models = tree_map(lambda s, o: s.at[ids].set(o), server.models, outputs["model"])
-        return server._replace(models=models,
+        return server._replace(models=set_rows(server.models, ids, outputs["model"]),
                                affinity=server.affinity.at[ids].add(outputs["weights"]),
                                round=server.round + 1)
-
-    eval_variables = server_model
 
     def personal_variables(server, client_state):
         del server
@@ -204,19 +214,16 @@ def fedfomo(model: nn.Module, client_tx: optax.GradientTransformation, num_clien
         # The M models of the client's largest affinities; none in round 0 (PFLlib's
         # M_ = min(M, uploads so far)).
         del client_ids
-        one = tree_bytes(eval_variables(server))
+        one = tree_bytes(server_model(server))
         return jnp.where(jnp.asarray(round_index) == 0, 0, m * one).astype(jnp.int32)
 
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              aggregator=every_output,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               aggregator=every_output, personal_variables=personal_variables,
+                               download_bytes=download_bytes)
 
 
-def _val_share(cfg: Any) -> float:
-    return local_lib.share_of_steps(cfg.fedfomo.val_epochs, cfg.local.epochs,
-                                    "fedfomo.val_epochs", "the validation pass is")
+_val_share = local_lib.epochs_share("fedfomo", "val_epochs", "the validation pass is")
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -226,19 +233,6 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     m = min(cfg.fedfomo.m, clients_per_round(cfg.participation, k))
     return fedfomo(model, client_tx, k, _val_share(cfg), server_tx, m=m)
 
-
-REFERENCE = Reference(
-    "Zhang, Sapra, Fidler, Yeung and Alvarez, 'Personalized Federated Learning with First "
-    "Order Model Optimization', ICLR 2021 (FedFomo: the first-order weights w_n on the "
-    "received models and the affinity matrix P, Algorithm 1)",
-    pfllib("servers/serverfomo.py", "clients/clientfomo.py"),
-    ("validation is the first round(val_epochs x steps) local steps of the round (the "
-     "start of its first epoch's order, trained on afterwards); PFLlib holds out the last "
-     "20% of a client's training data",
-     "L is the mean loss over the validation examples; PFLlib's is the mean of its "
-     "batches' means",
-     "a client whose validation pass has no step keeps its model and adds nothing to P",
-     "there is no global model: the global evaluation shows the initial model"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_val_share,
                        reference=REFERENCE)

@@ -56,10 +56,11 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms import personal
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
+                                        federated_algorithm, per_client, set_rows,
                                         tree_bytes)
-from fedjax_pan.algorithms.fedavg import ServerState
+from fedjax_pan.algorithms.fedavg import ServerState, initial_server
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -67,6 +68,26 @@ OPTIONS = {"lam": 1.0}
 RULES = {"lam": between(0, 1e4)}
 KERNEL, BIAS = f"{personal.HEAD}/kernel", f"{personal.HEAD}/bias"
 UNHELD_BIAS = -1e4  # a class a client holds no example of: never its prediction
+
+
+REFERENCE = Reference(
+    "Niu and Deng, 'Federated Learning for Face Recognition with Gradient Correction', "
+    "AAAI 2022 (FedGC: local softmax over the client's own classes, and the server's "
+    "softmax regulariser on the class embeddings, the gradient correction)",
+    pfllib("servers/servergc.py", "clients/clientgc.py"),
+    ("a client reports its classes with its first output, so its head joins the "
+     "regulariser once it has trained; PFLlib's server knows every client's classes from "
+     "the start and regularises every head from round 0",
+     "every client starts from the global model's initial head (PFLlib initialises each "
+     "client's head separately)",
+     "BatchNorm statistics are averaged with the body (FedAvg's bn='mean'); PFLlib "
+     "averages the body's parameters only and its clients keep their own statistics",
+     "a client's test example of a class it holds no example of is scored wrong (that "
+     "class is never predicted); PFLlib maps its label to the client's first held class",
+     "the global model (eval_variables: the averaged body with each class's mean "
+     "embedding) is evaluated here; PFLlib does not score one",
+     "the aggregator is stacked (the server needs each client's head): model-space "
+     "defences, attacks and stragglers do not apply"))
 
 
 class GCServer(NamedTuple):
@@ -130,15 +151,12 @@ def fedgc(model: nn.Module, client_tx: optax.GradientTransformation, num_clients
                          f"got {server_lr}")
 
     def server_init(variables):
-        params, model_state = local_lib.split_variables(variables)
-        flat = personal.split_params(params, lambda p: False)[0]
+        flat = personal.split_params(variables["params"], lambda p: False)[0]
         if KERNEL not in flat or flat[KERNEL].ndim != 2:
             raise ValueError(f"FedGC needs a model whose output layer {personal.HEAD!r} is "
                              f"a dense layer with a (features, classes) kernel")
         kernel = flat[KERNEL]
-        base = ServerState(params, model_state, server_tx.init(params),
-                           jnp.zeros((), jnp.int32))
-        return GCServer(base, jnp.broadcast_to(kernel, (num_clients, *kernel.shape)),
+        return GCServer(initial_server(server_tx, variables), per_client(kernel, num_clients),
                         jnp.zeros((num_clients, kernel.shape[1]), bool))
 
     def client_state_init(server):
@@ -196,10 +214,8 @@ def fedgc(model: nn.Module, client_tx: optax.GradientTransformation, num_clients
                            base.round + 1)
         ids = info.client_ids
         arrived = w > 0  # a slot without an output changes nothing
-        heads = server.heads.at[ids].set(jnp.where(arrived[:, None, None], outputs["kernel"],
-                                                   server.heads[ids]))
-        held = server.held.at[ids].set(jnp.where(arrived[:, None], outputs["held"],
-                                                 server.held[ids]))
+        heads, held = set_rows((server.heads, server.held), ids,
+                               (outputs["kernel"], outputs["held"]), arrived)
         heads = heads - server_lr * jax.grad(regulariser)(heads, held)
         return GCServer(base, heads, held)
 
@@ -236,19 +252,17 @@ def fedgc(model: nn.Module, client_tx: optax.GradientTransformation, num_clients
         n = jnp.sum(server.held[client_ids], axis=1)
         return (body + f * n * server.heads.dtype.itemsize).astype(jnp.int32)
 
-    return FederatedAlgorithm(
-        server_init, client_state_init, client_init, client_step, client_output,
-        server_update, eval_variables,
-        aggregator=every_output,
-        upload_bytes=upload_bytes, personal_variables=personal_variables,
-        download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               eval_variables=eval_variables, aggregator=every_output,
+                               upload_bytes=upload_bytes, personal_variables=personal_variables,
+                               download_bytes=download_bytes)
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     lam = cfg.fedgc.lam
-    if not 0.0 <= lam <= 1e4:
-        raise ValueError(f"fedgc.lam must lie in [0, 1e4], got {lam}")
+    check_options(RULES, "fedgc", lam=lam)
     if cfg.aggregation.bn != "mean":
         raise ValueError(f"FedGC averages BatchNorm statistics (aggregation.bn='mean'), got "
                          f"aggregation.bn={cfg.aggregation.bn!r}")
@@ -256,27 +270,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                  lam * cfg.optimizer.lr, server_tx)
 
 
-REFERENCE = Reference(
-    "Niu and Deng, 'Federated Learning for Face Recognition with Gradient Correction', "
-    "AAAI 2022 (FedGC: local softmax over the client's own classes, and the server's "
-    "softmax regulariser on the class embeddings, the gradient correction)",
-    pfllib("servers/servergc.py", "clients/clientgc.py"),
-    ("a client reports its classes with its first output, so its head joins the "
-     "regulariser once it has trained; PFLlib's server knows every client's classes from "
-     "the start and regularises every head from round 0",
-     "every client starts from the global model's initial head (PFLlib initialises each "
-     "client's head separately)",
-     "BatchNorm statistics are averaged with the body (FedAvg's bn='mean'); PFLlib "
-     "averages the body's parameters only and its clients keep their own statistics",
-     "a client's test example of a class it holds no example of is scored wrong (that "
-     "class is never predicted); PFLlib maps its label to the client's first held class",
-     "the global model (eval_variables: the averaged body with each class's mean "
-     "embedding) is evaluated here; PFLlib does not score one",
-     "the aggregator is stacked (the server needs each client's head): model-space "
-     "defences, attacks and stragglers do not apply"))
-
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
-                       reference=REFERENCE)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)
 
 __all__ = ["fedgc", "regulariser", "class_embeddings", "held_softmax_cross_entropy",
            "ENTRY", "OPTIONS", "RULES"]

@@ -42,11 +42,11 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, server_model,
-                                        tree_bytes)
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm, sends, server_model)
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import Rule, between, boolean
+from fedjax_pan.rules import Rule, between, boolean, check_options
 
 PyTree = Any
 # PFLlib's defaults (system/main.py: -nd 512, -hd 512 (its generator's), -glr 0.005,
@@ -58,6 +58,20 @@ RULES = {"noise_dim": between(1, 65536, integer=True), "hidden": between(1, 6553
          "server_epochs": between(0, 100000, integer=True),
          "localize_features": Rule(boolean)}
 GENERATOR_STREAM = 0x67656E  # the generator's keys, folded into the seed's
+
+
+REFERENCE = Reference(
+    "Zhu, Hong and Zhou, 'Data-Free Knowledge Distillation for Heterogeneous Federated "
+    "Learning', ICML 2021 (FedGen: the server's generator trained on the ensemble of the "
+    "clients' heads, and the clients' cross-entropy on generated representations)",
+    pfllib("servers/servergen.py", "clients/clientgen.py"),
+    ("labels y' are drawn from the label distribution of the last round's clients "
+     "(uniform before any round); PFLlib draws from every client's labels, known at the "
+     "start",
+     "the generator's first Dense has no bias (the batch normalisation after it, always "
+     "on batch statistics, cancels it); PFLlib's has one",
+     "with localize_features the global head starts as a draw from the seed, the same for "
+     "every network; PFLlib's is a copy of the model's initial head"))
 
 
 class Generator(nn.Module):
@@ -101,10 +115,9 @@ def fedgen(model: nn.Module, client_tx: optax.GradientTransformation, batch_size
            localize_features: bool = False, seed: int = 0) -> FederatedAlgorithm:
     """FedGen for a `model` that sows 'features' and ends in one linear head; generated
     batches (client and server) of `batch_size`."""
-    if noise_dim < 1 or hidden < 1 or not generator_lr > 0 or server_epochs < 0:
-        raise ValueError(f"FedGen needs noise_dim, hidden >= 1, generator_lr > 0 and "
-                         f"server_epochs >= 0, got noise_dim={noise_dim}, hidden={hidden}, "
-                         f"generator_lr={generator_lr}, server_epochs={server_epochs}")
+    check_options(RULES, "fedgen", noise_dim=noise_dim, hidden=hidden,
+                  generator_lr=generator_lr, server_epochs=server_epochs,
+                  localize_features=localize_features)
     gen_tx = optax.adam(generator_lr, b1=0.9, b2=0.999, eps=1e-8)
     base_key = jax.random.fold_in(jax.random.PRNGKey(seed), GENERATOR_STREAM)
 
@@ -144,14 +157,14 @@ def fedgen(model: nn.Module, client_tx: optax.GradientTransformation, batch_size
                          jnp.zeros((), jnp.int32))
 
     def client_state_init(server):
-        return {"params": server.params, **server.model_state} if localize_features else None
+        return server_model(server) if localize_features else None
 
     def client_init(server, client_state, ctx):
         if localize_features:
             start = {**client_state, "params": {**client_state["params"],
                                                 HEAD: server.params[HEAD]}}
         else:
-            start = {"params": server.params, **server.model_state}
+            start = server_model(server)
         counts = jnp.asarray(ctx.label_counts, jnp.float32)
         return GenLocal(local_lib.init_local(client_tx, start, ctx.round),
                         jax.random.fold_in(ctx.rng, GENERATOR_STREAM),
@@ -180,7 +193,7 @@ def fedgen(model: nn.Module, client_tx: optax.GradientTransformation, batch_size
                                        shared(server.params))
         output: Dict[str, Any] = {"delta": delta, "labels": local.labels}
         if localize_features:
-            return output, {"params": local.train.params, **local.train.model_state}
+            return output, local_lib.model_variables(local.train)
         return {**output, "model_state": local.train.model_state}, None
 
     def train_generator(server, head, dist, round_index):
@@ -213,19 +226,15 @@ def fedgen(model: nn.Module, client_tx: optax.GradientTransformation, batch_size
         return GenServer({**server.params, **new}, model_state, opt_state, gen, gen_opt,
                          dist, server.round + 1)
 
-    eval_variables = server_model
-
     def personal_variables(server, client_state):
         return {**client_state, "params": {**client_state["params"], HEAD: server.params[HEAD]}}
 
-    def download_bytes(server, client_ids, round_index):
-        del client_ids, round_index
-        return tree_bytes(shared(server.params)) + tree_bytes(server.generator)
-
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              personal_variables=personal_variables if localize_features
-                              else None, download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               personal_variables=personal_variables if localize_features
+                               else None,
+                               download_bytes=sends(lambda server: shared(server.params),
+                                                    "generator"))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -235,19 +244,6 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   hidden=o.hidden, generator_lr=o.generator_lr, server_epochs=o.server_epochs,
                   localize_features=o.localize_features, seed=cfg.seed)
 
-
-REFERENCE = Reference(
-    "Zhu, Hong and Zhou, 'Data-Free Knowledge Distillation for Heterogeneous Federated "
-    "Learning', ICML 2021 (FedGen: the server's generator trained on the ensemble of the "
-    "clients' heads, and the clients' cross-entropy on generated representations)",
-    pfllib("servers/servergen.py", "clients/clientgen.py"),
-    ("labels y' are drawn from the label distribution of the last round's clients "
-     "(uniform before any round); PFLlib draws from every client's labels, known at the "
-     "start",
-     "the generator's first Dense has no bias (the batch normalisation after it, always "
-     "on batch statistics, cancels it); PFLlib's has one",
-     "with localize_features the global head starts as a draw from the seed, the same for "
-     "every network; PFLlib's is a copy of the model's initial head"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, heterogeneous=True,
                        reference=REFERENCE)

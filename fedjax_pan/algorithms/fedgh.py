@@ -34,18 +34,30 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        tree_bytes)
-from fedjax_pan.algorithms.fedproto import collecting_step
-from fedjax_pan.algorithms.moon import _WithFeatures
+                                        federated_algorithm, sends, server_model)
+from fedjax_pan.algorithms.fedproto import class_means, train_then_collect
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 OPTIONS = {"server_lr": 1.0, "collect_epochs": 1.0}
 RULES = {"server_lr": between(0, 100, lo_open=True),
          "collect_epochs": between(0, 1000, lo_open=True)}
 HEAD_STREAM = 0x6768  # the global head's key, folded into the seed's
+
+
+REFERENCE = Reference(
+    "Yi et al., 'FedGH: Heterogeneous Federated Learning with Generalized Global Header', "
+    "ACM MM 2023 (the global head trained by the server on the clients' class prototypes, "
+    "Algorithm 1)",
+    pfllib("servers/servergh.py", "clients/clientgh.py"),
+    ("the prototype pass (eval mode) is the last round(collect_epochs x steps) local steps "
+     "of the round; PFLlib adds one pass over the data after the local epochs",
+     "the global head starts as a draw from the seed, the same for every network; PFLlib's "
+     "is the first client's head module itself, so that client's local training also moves "
+     "the global head (here only the server's pass does)",
+     "the order of the server's pass is drawn from (seed, round), not PyTorch's generator"))
 
 
 class GhServer(NamedTuple):
@@ -97,12 +109,11 @@ def fedgh(model: nn.Module, client_tx: optax.GradientTransformation, collect_sha
           ) -> FederatedAlgorithm:
     """FedGH for a `model` that sows 'features' and ends in one linear head; the server
     trains the head at `server_lr` in minibatches of `batch_size`."""
-    if not server_lr > 0 or batch_size < 1:
-        raise ValueError(f"FedGH needs server_lr > 0 and batch_size >= 1, got "
-                         f"server_lr={server_lr}, batch_size={batch_size}")
+    check_options(RULES, "fedgh", server_lr=server_lr)
+    if batch_size < 1:
+        raise ValueError(f"FedGH needs batch_size >= 1, got {batch_size}")
     local_lib.check_share(collect_share, "FedGH's share of local steps collecting "
                                          "prototypes")
-    net = _WithFeatures(model)
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
@@ -113,9 +124,6 @@ def fedgh(model: nn.Module, client_tx: optax.GradientTransformation, collect_sha
             jax.random.fold_in(jax.random.PRNGKey(seed), HEAD_STREAM), (d, c), jnp.float32)
         return GhServer(params, model_state, {"kernel": kernel, "bias": jnp.zeros(c)},
                         jnp.zeros((), jnp.int32))
-
-    def client_state_init(server):
-        return {"params": server.params, **server.model_state}
 
     def with_head(variables, head):
         return {**variables, "params": {**variables["params"], HEAD: head}}
@@ -133,20 +141,12 @@ def fedgh(model: nn.Module, client_tx: optax.GradientTransformation, collect_sha
         train, metrics = local_lib.sgd_step(model, client_tx, local.train, batch)
         return local._replace(train=train), metrics
 
-    def collect_step(local, batch, server):
-        del server
-        return collecting_step(net, local, batch)
-
-    def client_step(local, batch, server):
-        return jax.lax.cond(local.train.step < local.collect_from, train_step, collect_step,
-                            local, batch, server)
+    client_step = train_then_collect(train_step, local_lib.WithFeatures(model))
 
     def client_output(local, server):
         del server
-        has = (local.counts > 0).astype(jnp.float32)
-        protos = local.sums / jnp.maximum(local.counts, 1.0)[:, None]
-        return ({"protos": protos * has[:, None], "has": has},
-                {"params": local.train.params, **local.train.model_state})
+        protos, has = class_means(local.sums, local.counts)
+        return {"protos": protos, "has": has}, local_lib.model_variables(local.train)
 
     def server_update(server, outputs, info):
         key = jax.random.fold_in(jax.random.PRNGKey(seed), info.round)
@@ -161,20 +161,14 @@ def fedgh(model: nn.Module, client_tx: optax.GradientTransformation, collect_sha
     def personal_variables(server, client_state):
         return with_head(client_state, server.head)
 
-    def download_bytes(server, client_ids, round_index):
-        del client_ids, round_index
-        return tree_bytes(server.head)
-
-    return FederatedAlgorithm(
-        server_init, client_state_init, client_init, client_step, client_output,
-        server_update, eval_variables,
-        aggregator=every_output,
-        personal_variables=personal_variables, download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=server_model,
+                               eval_variables=eval_variables, aggregator=every_output,
+                               personal_variables=personal_variables,
+                               download_bytes=sends("head"))
 
 
-def _collect_share(cfg: Any) -> float:
-    return local_lib.share_of_steps(cfg.fedgh.collect_epochs, cfg.local.epochs,
-                                    "fedgh.collect_epochs", "the prototype pass is")
+_collect_share = local_lib.epochs_share("fedgh", "collect_epochs", "the prototype pass is")
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -184,18 +178,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                  batch_size=cfg.local.batch_size, seed=cfg.seed)
 
 
-REFERENCE = Reference(
-    "Yi et al., 'FedGH: Heterogeneous Federated Learning with Generalized Global Header', "
-    "ACM MM 2023 (the global head trained by the server on the clients' class prototypes, "
-    "Algorithm 1)",
-    pfllib("servers/servergh.py", "clients/clientgh.py"),
-    ("the prototype pass (eval mode) is the last round(collect_epochs x steps) local steps "
-     "of the round; PFLlib adds one pass over the data after the local epochs",
-     "the global head starts as a draw from the seed, the same for every network; PFLlib's "
-     "is the first client's head module itself, so that client's local training also moves "
-     "the global head (here only the server's pass does)",
-     "the order of the server's pass is drawn from (seed, round), not PyTorch's generator"))
-
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_collect_share,
-                       heterogeneous=True,
-                       reference=REFERENCE)
+                       heterogeneous=True, reference=REFERENCE)

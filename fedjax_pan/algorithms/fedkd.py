@@ -73,15 +73,14 @@ import optax
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, server_model,
-                                        tree_bytes)
-from fedjax_pan.algorithms.fml import (DEFAULT_SPEC, KL_MEANS, check_spec, clip_grad_norm,
-                                       head_classes, kl_divergence, shared_network,
-                                       spec_error)
-from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm, sends, tree_bytes)
+from fedjax_pan.algorithms.fedavg import server_step
+from fedjax_pan.algorithms.fml import (DEFAULT_SPEC, KL_MEANS, clipped_step, head_classes,
+                                       kl_divergence, shared_network, spec_error)
 from fedjax_pan.algorithms.personal import HEAD
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import Rule, between, boolean, one_of
+from fedjax_pan.rules import Rule, between, boolean, check_options, one_of
 
 PyTree = Any
 OPTIONS = {"student": DEFAULT_SPEC, "mentee_lr": 0.005, "t_start": 0.95, "t_end": 0.98,
@@ -91,6 +90,27 @@ RULES = {"student": Rule(spec_error), "mentee_lr": between(0, 100, lo_open=True)
          "detach": Rule(boolean), "kl_mean": one_of(KL_MEANS), "clip": between(0, 1e6)}
 STUDENT_KEY, WH_KEY = 0x5D5D, 0x3A3A  # folded into the seed
 MIN_DENOMINATOR = 1e-8
+
+
+REFERENCE = Reference(
+    "Wu et al., 'Communication-efficient federated learning via knowledge distillation', "
+    "Nature Communications 13, 2032, 2022 (FedKD: adaptive mutual distillation L_t, L_s "
+    "with hidden-state loss, and SVD compression of the update at the energy T(r))",
+    pfllib("servers/serverkd.py", "clients/clientkd.py"),
+    ("the student is the option fedkd.student (default mlp(hidden=(200,))), so W_h maps "
+     "D_s to D_t; PFLlib's student and teacher are copies of the global model (W_h square)",
+     "the student's update is compressed (the paper's gradients) and the download is the "
+     "uncompressed student; PFLlib factorises the whole student model and the global model",
+     "where no prefix of singular values exceeds T(r) a matrix keeps them all (PFLlib's "
+     "loop leaves k = 0 and zeroes it); a matrix goes dense where its factors would be "
+     "larger (PFLlib always factorises)",
+     "a conv kernel is factorised as its (kh kw in) x out matrix; PFLlib's numpy SVD of a "
+     "4-D weight factorises each kh x kw slice",
+     "the denominator CE_t + CE_s is kept >= 1e-8 (PFLlib divides by 0 on a batch of "
+     "padding only)",
+     "the server averages with the configured aggregation weights (PFLlib's uniform 1/M is "
+     "aggregation.weights='uniform', the default) and averages the student's BatchNorm "
+     "statistics (PFLlib shares parameters only)"))
 
 
 def energy(round_index: jax.Array, rounds: int, t_start: float, t_end: float) -> jax.Array:
@@ -162,24 +182,18 @@ def fedkd(model: nn.Module, client_tx: optax.GradientTransformation,
     spec `student` describes, initialised for inputs of `input_shape` from `seed`;
     `student_tx` trains the student (None: `client_tx`); the energy rises from `t_start`
     to `t_end` over `rounds` rounds."""
-    check_spec(student, "FedKD's student")
-    for name, value in (("t_start", t_start), ("t_end", t_end)):
-        if not 0.0 < value <= 1.0:
-            raise ValueError(f"FedKD needs {name} in (0, 1], got {value}")
-    if kl_mean not in KL_MEANS:
-        raise ValueError(f"unknown kl_mean {kl_mean!r}; expected one of {KL_MEANS}")
-    if not clip >= 0:
-        raise ValueError(f"clip must be >= 0 (0: off), got {clip}")
+    check_options(RULES, "fedkd", student=student, t_start=t_start, t_end=t_end,
+                  detach=detach, kl_mean=kl_mean, clip=clip)
     if not (isinstance(rounds, (int, np.integer)) and rounds >= 1):
         raise ValueError(f"FedKD needs rounds >= 1, got {rounds!r}")
     input_shape = tuple(input_shape)
     student_tx = client_tx if student_tx is None else student_tx
-    teacher_net = _WithFeatures(model)
+    teacher_net = local_lib.WithFeatures(model)
     other = jax.lax.stop_gradient if detach else (lambda x: x)
 
     def student_net(params):
-        return _WithFeatures(shared_network(student, head_classes(params,
-                                                                  "FedKD's student")))
+        return local_lib.WithFeatures(shared_network(student,
+                                                     head_classes(params, "FedKD's student")))
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
@@ -240,14 +254,9 @@ def fedkd(model: nn.Module, client_tx: optax.GradientTransformation,
             objective, has_aux=True)((local.teacher.params, local.student.params,
                                       local.w_h.params))
 
-        def apply(tx, train, grad, state):
-            updates, opt_state = tx.update(clip_grad_norm(grad, clip), train.opt_state,
-                                           train.params)
-            return local_lib.LocalState(optax.apply_updates(train.params, updates), state,
-                                        opt_state, train.step + 1)
-        new = KdLocal(apply(client_tx, local.teacher, grads[0], state_t),
-                      apply(student_tx, local.student, grads[1], state_s),
-                      apply(client_tx, local.w_h, grads[2], {}))
+        new = KdLocal(clipped_step(client_tx, local.teacher, grads[0], state_t, clip),
+                      clipped_step(student_tx, local.student, grads[1], state_s, clip),
+                      clipped_step(client_tx, local.w_h, grads[2], {}, clip))
         return new, {"loss_sum": ce_t, "num_examples": jnp.sum(mask),
                      "student_loss_sum": ce_s, "kl_sum": kl_sum, "hidden_sum": hidden_sum}
 
@@ -257,18 +266,14 @@ def fedkd(model: nn.Module, client_tx: optax.GradientTransformation,
         state = local.student.model_state
         return ({"delta": sent, "model_state": state,
                  "upload_bytes": sent_bytes + tree_bytes(state)},
-                {"teacher": {"params": local.teacher.params, **local.teacher.model_state},
-                 "w_h": local.w_h.params})
+                {"teacher": local_lib.model_variables(local.teacher), "w_h": local.w_h.params})
 
     def server_update(server, mean, info):
         del info
-        grad = jax.tree_util.tree_map(jnp.negative, mean["delta"])
-        updates, opt_state = server_tx.update(grad, server.opt_state, server.student)
-        return server._replace(student=optax.apply_updates(server.student, updates),
-                               student_state=mean["model_state"], opt_state=opt_state,
-                               round=server.round + 1)
-
-    eval_variables = server_model
+        student, opt_state = server_step(server_tx, server.student, server.opt_state,
+                                         mean["delta"])
+        return server._replace(student=student, student_state=mean["model_state"],
+                               opt_state=opt_state, round=server.round + 1)
 
     def personal_variables(server, client_state):
         del server
@@ -278,15 +283,10 @@ def fedkd(model: nn.Module, client_tx: optax.GradientTransformation,
         del local
         return output["upload_bytes"]
 
-    def download_bytes(server, client_ids, round_index):
-        del client_ids, round_index
-        return tree_bytes((server.student, server.student_state))
-
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              upload_bytes=upload_bytes,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               upload_bytes=upload_bytes, personal_variables=personal_variables,
+                               download_bytes=sends("student", "student_state"))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -301,26 +301,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                  seed=cfg.seed)
 
 
-REFERENCE = Reference(
-    "Wu et al., 'Communication-efficient federated learning via knowledge distillation', "
-    "Nature Communications 13, 2032, 2022 (FedKD: adaptive mutual distillation L_t, L_s "
-    "with hidden-state loss, and SVD compression of the update at the energy T(r))",
-    pfllib("servers/serverkd.py", "clients/clientkd.py"),
-    ("the student is the option fedkd.student (default mlp(hidden=(200,))), so W_h maps "
-     "D_s to D_t; PFLlib's student and teacher are copies of the global model (W_h square)",
-     "the student's update is compressed (the paper's gradients) and the download is the "
-     "uncompressed student; PFLlib factorises the whole student model and the global model",
-     "where no prefix of singular values exceeds T(r) a matrix keeps them all (PFLlib's "
-     "loop leaves k = 0 and zeroes it); a matrix goes dense where its factors would be "
-     "larger (PFLlib always factorises)",
-     "a conv kernel is factorised as its (kh kw in) x out matrix; PFLlib's numpy SVD of a "
-     "4-D weight factorises each kh x kw slice",
-     "the denominator CE_t + CE_s is kept >= 1e-8 (PFLlib divides by 0 on a batch of "
-     "padding only)",
-     "the server averages with the configured aggregation weights (PFLlib's uniform 1/M is "
-     "aggregation.weights='uniform', the default) and averages the student's BatchNorm "
-     "statistics (PFLlib shares parameters only)"))
-
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, heterogeneous=True,
-                       input_shape=True,
-                       reference=REFERENCE)
+                       input_shape=True, reference=REFERENCE)

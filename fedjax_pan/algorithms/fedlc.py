@@ -38,11 +38,26 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 OPTIONS = {"tau": 1.0}
 RULES = {"tau": between(0, 1e4)}
+
+
+REFERENCE = Reference(
+    "Zhang et al., 'Federated Learning with Label Distribution Skew via Logits "
+    "Calibration', ICML 2022 (the calibrated loss: logits shifted by tau n_{c,y}^(-1/4) "
+    "before the cross-entropy, each client by its own label counts)",
+    pfllib("servers/serverlc.py", "clients/clientlc.py"),
+    ("each client calibrates by its own label counts, as the paper; PFLlib's serverlc.py "
+     "calibrates every client by the counts summed over all clients (one shared margin, in "
+     "effect global logit adjustment)",
+     "the softmax denominator runs over every class, y included, as PFLlib's "
+     "CrossEntropyLoss(output - calibration, y); the paper prints sum over y' != y, a "
+     "loss unbounded below",
+     "a client with no examples, and tau = 0, train on plain cross-entropy over every "
+     "class (the formula has no margin to apply)"))
 
 
 class LCLocal(NamedTuple):
@@ -75,8 +90,7 @@ def fedlc(model: nn.Module, client_tx: optax.GradientTransformation,
           server_tx: optax.GradientTransformation = optax.sgd(1.0), *, tau: float = 1.0,
           bn: str = "mean") -> FederatedAlgorithm:
     """FedLC for a flax `model`; tau = 0 is FedAvg exactly."""
-    if not 0.0 <= tau <= 1e4:
-        raise ValueError(f"FedLC's tau must lie in [0, 1e4], got {tau}")
+    check_options(RULES, "fedlc", tau=tau)
     base = fedavg(model, client_tx, server_tx, bn=bn)
 
     def client_init(server, client_state, ctx):
@@ -103,21 +117,6 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedlc(model, client_tx, server_tx, tau=cfg.fedlc.tau, bn=cfg.aggregation.bn)
 
 
-REFERENCE = Reference(
-    "Zhang et al., 'Federated Learning with Label Distribution Skew via Logits "
-    "Calibration', ICML 2022 (the calibrated loss: logits shifted by tau n_{c,y}^(-1/4) "
-    "before the cross-entropy, each client by its own label counts)",
-    pfllib("servers/serverlc.py", "clients/clientlc.py"),
-    ("each client calibrates by its own label counts, as the paper; PFLlib's serverlc.py "
-     "calibrates every client by the counts summed over all clients (one shared margin, in "
-     "effect global logit adjustment)",
-     "the softmax denominator runs over every class, y included, as PFLlib's "
-     "CrossEntropyLoss(output - calibration, y); the paper prints sum over y' != y, a "
-     "loss unbounded below",
-     "a client with no examples, and tau = 0, train on plain cross-entropy over every "
-     "class (the formula has no margin to apply)"))
-
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES,
-                       reference=REFERENCE)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, reference=REFERENCE)
 
 __all__ = ["fedlc", "calibration", "calibrated_cross_entropy", "ENTRY", "OPTIONS", "RULES"]

@@ -53,8 +53,9 @@ from fedjax_pan import permutation as perm_lib
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, tree_bytes,
                                         weighted_sum)
+from fedjax_pan.algorithms.finetune import fine_tuning
 from fedjax_pan.engine import LocalWork
-from fedjax_pan.engine.services import Services, SimState
+from fedjax_pan.engine.services import RoundDefaults, Services, SimState
 from fedjax_pan.references import Reference
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
@@ -108,23 +109,12 @@ def freeze(tx: optax.GradientTransformation, frozen: Sequence[str]
 def local_training(model: nn.Module, tx: optax.GradientTransformation,
                    frozen: Sequence[str] = ()) -> FederatedAlgorithm:
     """Each client trains its own model (its client state) with the layers in `frozen`
-    fixed and returns the trained model as its new state; it outputs nothing."""
-    tx = freeze(tx, frozen)
-
-    def client_init(server, client_state, ctx):
-        del server
-        return local_lib.init_local(tx, client_state, ctx.round)
-
-    def client_step(local, batch, server):
-        del server
-        return local_lib.sgd_step(model, tx, local, batch)
-
-    def client_output(local, server):
-        del server
-        return (), {"params": local.params, **local.model_state}
-
-    return FederatedAlgorithm(lambda v: None, lambda s: None, client_init, client_step,
-                              client_output, lambda s, a, i: s, lambda s: s, weighted_sum)
+    fixed and returns the trained model as its new state; it outputs nothing (the round
+    of `finetune.fine_tuning`, on no server state)."""
+    tuning = fine_tuning(model, freeze(tx, frozen))
+    return FederatedAlgorithm(lambda v: None, lambda s: None, tuning.client_init,
+                              tuning.client_step, tuning.client_output, lambda s, a, i: s,
+                              lambda s: s, weighted_sum)
 
 
 # ----------------------------------------------------------------------------------------
@@ -217,7 +207,7 @@ def network_for(model: nn.Module, variables: Variables) -> nn.Module:
 # ----------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
-class FedMA:
+class FedMA(RoundDefaults):
     """FedMA's server logic as an `engine.protocol.Round`, on the engine's `services`
     (sampling, key streams, cohorts trained through cached executors).
 

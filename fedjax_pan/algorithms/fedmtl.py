@@ -60,16 +60,35 @@ from ml_collections.config_dict import placeholder
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        own_model, server_model)
-from fedjax_pan.engine.protocol import tree_bytes
+                                        federated_algorithm, own_model, per_client, sends,
+                                        server_model, set_rows)
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between, one_of
+from fedjax_pan.rules import between, check_options, one_of
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 REGULARIZERS = ("pfllib", "paper")
 OPTIONS = {"lam": placeholder(float), "regularizer": "pfllib"}
 RULES = {"lam": between(0, 1e4, optional=True), "regularizer": one_of(REGULARIZERS)}
+
+
+REFERENCE = Reference(
+    "Smith, Chiang, Sanjabi and Talwalkar, 'Federated Multi-Task Learning', NeurIPS 2017 "
+    "(MOCHA: min_W sum_k f_k(w_k) + lambda tr(W Omega W^T), mean-regularised Omega), as "
+    "PFLlib's FedMTL implements it",
+    pfllib("servers/servermtl.py", "clients/clientmtl.py"),
+    ("the regulariser is differentiated in w_k (the paper's and the code's intent); "
+     "PFLlib's reads detached state_dict tensors, so R enters its loss as a constant and "
+     "its clients train as Local does (lam = 0 reproduces that)",
+     "W holds all K clients' latest models (never sampled: the initial model) and omega "
+     "uses K clients; PFLlib's W holds the round's M sampled clients' models and uses M "
+     "(equal under full participation)",
+     "d omits BatchNorm's num_batches_tracked counters and W holds the parameters only "
+     "(PFLlib's buffers in W are constants: they change R's value, not its gradient)",
+     "the default regularizer='pfllib' is PFLlib's R (torch.ones for I, scale 10^-f); "
+     "'paper' is lambda tr(W Omega W^T); MOCHA's primal-dual solver and its learned Omega "
+     "are not reproduced (SGD on the primal with a fixed Omega, as PFLlib)",
+     "there is no global model: the global evaluation shows the initial one"))
 
 
 class MtlServer(NamedTuple):
@@ -128,9 +147,8 @@ def fedmtl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
     """FedMTL over `num_clients` clients; `lam` None: PFLlib's scale 10^-f (module doc).
     `server_tx` is unused: nothing is averaged."""
     del server_tx
+    check_options(RULES, "fedmtl", lam=lam, regularizer=regularizer)
     coef = coefficients(regularizer, num_clients)
-    if lam is not None and not 0 <= lam <= 1e4:
-        raise ValueError(f"fedmtl.lam must lie in [0, 10000] or be None, got {lam}")
     if num_clients < 1:
         raise ValueError(f"FedMTL needs num_clients >= 1, got {num_clients}")
 
@@ -142,12 +160,8 @@ def fedmtl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
-        stack = tree_map(lambda p: jnp.broadcast_to(p, (num_clients, *p.shape)), params)
-        return MtlServer(params, model_state, stack, jnp.zeros((), jnp.int32))
-
-    def client_state_init(server):
-        # Every client's model starts as the initial one (PFLlib deep-copies args.model).
-        return {"params": server.params, **server.model_state}
+        return MtlServer(params, model_state, per_client(params, num_clients),
+                         jnp.zeros((), jnp.int32))
 
     def client_init(server, client_state, ctx):
         train = local_lib.init_local(client_tx, client_state, server.round)
@@ -167,26 +181,18 @@ def fedmtl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
 
     def client_output(local, server):
         del server
-        return local.train.params, {"params": local.train.params, **local.train.model_state}
+        return local.train.params, local_lib.model_variables(local.train)
 
     def server_update(server, outputs, info):
-        stack = tree_map(lambda s, o: s.at[info.client_ids].set(o), server.stack, outputs)
+        stack = set_rows(server.stack, info.client_ids, outputs)
         return server._replace(stack=stack, round=server.round + 1)
 
-    eval_variables = server_model
-
-    personal_variables = own_model
-
-    def download_bytes(server, client_ids, round_index):
-        # Each sampled client receives W: all K columns (PFLlib deep-copies W_glob).
-        del client_ids, round_index
-        return tree_bytes(server.stack)
-
-    return FederatedAlgorithm(
-        server_init, client_state_init, client_init, client_step, client_output,
-        server_update, eval_variables,
-        aggregator=every_output,
-        personal_variables=personal_variables, download_bytes=download_bytes)
+    # Every client's model starts as the initial one (PFLlib deep-copies args.model); each
+    # sampled client receives W, all K columns (PFLlib deep-copies W_glob).
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=server_model,
+                               aggregator=every_output, personal_variables=own_model,
+                               download_bytes=sends("stack"))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -195,23 +201,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   lam=cfg.fedmtl.lam, regularizer=cfg.fedmtl.regularizer)
 
 
-REFERENCE = Reference(
-    "Smith, Chiang, Sanjabi and Talwalkar, 'Federated Multi-Task Learning', NeurIPS 2017 "
-    "(MOCHA: min_W sum_k f_k(w_k) + lambda tr(W Omega W^T), mean-regularised Omega), as "
-    "PFLlib's FedMTL implements it",
-    pfllib("servers/servermtl.py", "clients/clientmtl.py"),
-    ("the regulariser is differentiated in w_k (the paper's and the code's intent); "
-     "PFLlib's reads detached state_dict tensors, so R enters its loss as a constant and "
-     "its clients train as Local does (lam = 0 reproduces that)",
-     "W holds all K clients' latest models (never sampled: the initial model) and omega "
-     "uses K clients; PFLlib's W holds the round's M sampled clients' models and uses M "
-     "(equal under full participation)",
-     "d omits BatchNorm's num_batches_tracked counters and W holds the parameters only "
-     "(PFLlib's buffers in W are constants: they change R's value, not its gradient)",
-     "the default regularizer='pfllib' is PFLlib's R (torch.ones for I, scale 10^-f); "
-     "'paper' is lambda tr(W Omega W^T); MOCHA's primal-dual solver and its learned Omega "
-     "are not reproduced (SGD on the primal with a fixed Omega, as PFLlib)",
-     "there is no global model: the global evaluation shows the initial one"))
-
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
-                       reference=REFERENCE)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

@@ -33,11 +33,20 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 OPTIONS = {"beta": 1.0, "tau": 1.0}
 RULES = {"beta": between(0, 1e4), "tau": between(0, 1e3, lo_open=True)}
+
+
+REFERENCE = Reference(
+    "Lee et al., 'Preservation of the Global Knowledge by Not-True Distillation in "
+    "Federated Learning', NeurIPS 2022 (FedNTD: CE + beta tau^2 KL(q_g || q_l) over the "
+    "not-true classes)",
+    pfllib("servers/serverntd.py", "clients/clientntd.py"),
+    ("beta defaults to 1.0, the paper's value; PFLlib's --beta defaults to 0.0 (an "
+     "argument other methods share; at 0 FedNTD is FedAvg)",))
 
 
 def _not_true_log_softmax(logits: jax.Array, not_true: jax.Array, tau: float) -> jax.Array:
@@ -60,10 +69,7 @@ def fedntd(model: nn.Module, client_tx: optax.GradientTransformation,
            server_tx: optax.GradientTransformation = optax.sgd(1.0), *, beta: float = 1.0,
            tau: float = 1.0, bn: str = "mean") -> FederatedAlgorithm:
     """FedNTD for a flax `model`; beta = 0 is FedAvg exactly."""
-    if not 0.0 <= beta <= 1e4:
-        raise ValueError(f"FedNTD's beta must lie in [0, 1e4], got {beta}")
-    if not 0.0 < tau <= 1e3:
-        raise ValueError(f"FedNTD's tau must lie in (0, 1e3], got {tau}")
+    check_options(RULES, "fedntd", beta=beta, tau=tau)
     base = fedavg(model, client_tx, server_tx, bn=bn)
 
     def client_step(local, batch, server):
@@ -86,15 +92,6 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   bn=cfg.aggregation.bn)
 
 
-REFERENCE = Reference(
-    "Lee et al., 'Preservation of the Global Knowledge by Not-True Distillation in "
-    "Federated Learning', NeurIPS 2022 (FedNTD: CE + beta tau^2 KL(q_g || q_l) over the "
-    "not-true classes)",
-    pfllib("servers/serverntd.py", "clients/clientntd.py"),
-    ("beta defaults to 1.0, the paper's value; PFLlib's --beta defaults to 0.0 (an "
-     "argument other methods share; at 0 FedNTD is FedAvg)",))
-
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES,
-                       reference=REFERENCE)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, reference=REFERENCE)
 
 __all__ = ["fedntd", "not_true_kl", "ENTRY", "OPTIONS", "RULES"]

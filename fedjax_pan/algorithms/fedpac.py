@@ -55,10 +55,12 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        server_model, tree_bytes)
-from fedjax_pan.algorithms.moon import _WithFeatures
+                                        federated_algorithm, per_client, sends)
+from fedjax_pan.algorithms.fedavg import server_step
+from fedjax_pan.algorithms.fedpcl import global_prototypes
+from fedjax_pan.algorithms.fedproto import class_means
 from fedjax_pan.algorithms.personal import HEAD, linear_head
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
@@ -67,6 +69,18 @@ OPTIONS = {"lam": 1.0, "head_fraction": 0.5}
 RULES = {"lam": between(0, 1e4), "head_fraction": between(0, 1, lo_open=True, hi_open=True)}
 SOLVER_STEPS = 2000
 ZERO_BELOW = 1e-3  # PFLlib zeroes combination weights <= this
+
+
+REFERENCE = Reference(
+    "Xu, Tong & Huang, 'Personalized Federated Learning with Feature Alignment and "
+    "Classifier Collaboration', ICLR 2023 (FedPAC, Alg. 1, Eq. 11-13)",
+    pfllib("servers/serverpac.py", "clients/clientpac.py"),
+    ("the statistics V and h come from the head phase's batches, not a separate pass: one "
+     "pass of local steps",
+     "class means come from the body phase's training batches, not a pass after training",
+     "the combination QP is solved by FISTA on the simplex, not cvxpy (checked against "
+     "scipy)",
+     "the extractor is averaged by `aggregation.weights` (PFLlib: by training-set size)"))
 
 
 class PacServer(NamedTuple):
@@ -156,10 +170,8 @@ def fedpac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
            head_fraction: float = 0.5) -> FederatedAlgorithm:
     """FedPAC for `num_clients` clients of a flax `model` that sows 'features' under a
     linear `head`."""
-    if not 0 <= lam <= 1e4:
-        raise ValueError(f"FedPAC's lam must lie in [0, 1e4], got {lam}")
-    local_lib.check_share(head_fraction, "FedPAC's head_fraction")
-    net = _WithFeatures(model)
+    check_options(RULES, "fedpac", lam=lam, head_fraction=head_fraction)
+    net = local_lib.WithFeatures(model)
 
     def body(params):
         return {k: v for k, v in params.items() if k != HEAD}
@@ -168,7 +180,7 @@ def fedpac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
         params, model_state = local_lib.split_variables(variables)
         linear_head(params, "FedPAC")
         dim, classes = params[HEAD]["kernel"].shape
-        heads = tree_map(lambda x: jnp.broadcast_to(x, (num_clients, *x.shape)), params[HEAD])
+        heads = per_client(params[HEAD], num_clients)
         return PacServer(params, model_state, jnp.zeros((classes, dim), jnp.float32),
                          jnp.zeros((classes,), jnp.float32), heads,
                          server_tx.init(body(params)), jnp.zeros((), jnp.int32))
@@ -230,25 +242,21 @@ def fedpac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
     def client_output(local, server):
         p = local.train.params
         v, h = statistics(local.count, local.sums, local.sq, local.share, local.size)
-        has = (local.p_count > 0).astype(jnp.float32)
-        means = local.p_sums / jnp.maximum(local.p_count, 1.0)[:, None]
+        protos, has = class_means(local.p_sums, local.p_count)
         delta = tree_map(jnp.subtract, body(p), body(server.params))
         return ({"delta": delta, "model_state": local.train.model_state, "head": p[HEAD],
-                 "v": v, "h": h, "protos": means * has[:, None], "has": has},
+                 "v": v, "h": h, "protos": protos, "has": has},
                 {"slot": local.client_id})
 
     def server_update(server, outs, info):
         w = info.weights
         here = w > 0  # a weight of 0: a slot without an output
         mean = lambda x: jnp.tensordot(w, x, axes=1)  # noqa: E731
-        grad = tree_map(lambda d: -mean(d), outs["delta"])
-        updates, opt_state = server_tx.update(grad, server.opt_state, body(server.params))
-        params = {**optax.apply_updates(body(server.params), updates), HEAD: server.params[HEAD]}
+        body_params, opt_state = server_step(server_tx, body(server.params), server.opt_state,
+                                             tree_map(mean, outs["delta"]))
+        params = {**body_params, HEAD: server.params[HEAD]}
         model_state = tree_map(mean, outs["model_state"])
-        has = outs["has"] * here[:, None]
-        counts = jnp.sum(has, axis=0)
-        protos = jnp.einsum("mc,mcd->cd", has, outs["protos"]) / jnp.maximum(counts, 1.0)[:, None]
-        present = (counts > 0).astype(jnp.float32)
+        protos, present = global_prototypes(outs["protos"], outs["has"] * here[:, None])
         alpha = combination_weights(outs["v"], outs["h"], here)
         new_heads = tree_map(lambda x: jnp.tensordot(alpha, x, axes=1), outs["head"])
         ids = jnp.where(here, info.client_ids, info.num_clients)  # absent: dropped
@@ -257,26 +265,21 @@ def fedpac(model: nn.Module, client_tx: optax.GradientTransformation, num_client
         return PacServer(params, model_state, protos, present, heads, opt_state,
                          server.round + 1)
 
-    eval_variables = server_model
-
     def personal_variables(server, client_state):
         slot = client_state["slot"]
         head = tree_map(lambda all_, first: jnp.where(slot >= 0, all_[jnp.maximum(slot, 0)],
                                                       first), server.heads, server.params[HEAD])
         return {"params": {**server.params, HEAD: head}, **server.model_state}
 
-    def download_bytes(server, client_ids, round_index):
+    def sent(server):
         # The extractor and its statistics, the prototypes and the client's head.
-        del client_ids, round_index
-        one_head = tree_map(lambda x: x[0], server.heads)
-        return tree_bytes((body(server.params), server.model_state, server.protos,
-                           server.present, one_head))
+        return (body(server.params), server.model_state, server.protos, server.present,
+                tree_map(lambda x: x[0], server.heads))
 
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              aggregator=every_output,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               aggregator=every_output, personal_variables=personal_variables,
+                               download_bytes=sends(sent))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -284,16 +287,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedpac(model, client_tx, cfg.partition.num_clients, server_tx, lam=cfg.fedpac.lam,
                   head_fraction=cfg.fedpac.head_fraction)
 
-
-REFERENCE = Reference(
-    "Xu, Tong & Huang, 'Personalized Federated Learning with Feature Alignment and "
-    "Classifier Collaboration', ICLR 2023 (FedPAC, Alg. 1, Eq. 11-13)",
-    pfllib("servers/serverpac.py", "clients/clientpac.py"),
-    ("the statistics V and h come from the head phase's batches, not a separate pass: one "
-     "pass of local steps",
-     "class means come from the body phase's training batches, not a pass after training",
-     "the combination QP is solved by FISTA on the simplex, not cvxpy (checked against "
-     "scipy)",
-     "the extractor is averaged by `aggregation.weights` (PFLlib: by training-set size)"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

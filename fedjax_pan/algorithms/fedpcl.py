@@ -59,16 +59,30 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, every_output,
-                                        server_model, tree_bytes)
-from fedjax_pan.algorithms.fedproto import NEVER, collecting_step
-from fedjax_pan.algorithms.moon import _WithFeatures
-from fedjax_pan.algorithms.personal import HEAD, linear_head
-from fedjax_pan.rules import between
+                                        federated_algorithm, sends, set_rows)
+from fedjax_pan.algorithms.fedproto import (NEVER, class_means, swap_head,
+                                            train_then_collect)
+from fedjax_pan.algorithms.personal import linear_head
+from fedjax_pan.rules import between, check_options
 from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 OPTIONS = {"tau": 1.0, "collect_epochs": 1.0}
 RULES = {"tau": between(0.01, 100), "collect_epochs": between(0, 1000, lo_open=True)}
+
+
+REFERENCE = Reference(
+    "Tan et al., 'Federated Learning from Pre-Trained Models: A Contrastive Learning "
+    "Approach', NeurIPS 2022 (FedPCL: global and personalised prototype contrast)",
+    pfllib("servers/serverpcl.py", "clients/clientpcl.py"),
+    ("prototype column j is class j, as the paper's loss has it (PFLlib stacks them in the "
+     "order classes first appear in a shuffled loader)",
+     "own-prototype padding at scoring uses the current global prototypes, not those of "
+     "the round the client reported (equal under full participation)",
+     "the whole network trains from initialisation: no pre-trained frozen backbone here",
+     "a class missing from a prototype set is masked out (PFLlib's torch.stack fails on it)",
+     "a never-reported client is scored by its own initial head (PFLlib counts it as 0 "
+     "correct)"))
 
 
 class PclServer(NamedTuple):
@@ -131,11 +145,10 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
            collect_share: float, *, tau: float = 1.0) -> FederatedAlgorithm:
     """FedPCL for `num_clients` clients of a `model` that sows 'features' and ends in one
     linear head; the last round(collect_share x steps) local steps collect prototypes."""
-    if not tau > 0:
-        raise ValueError(f"FedPCL needs tau > 0, got {tau}")
+    check_options(RULES, "fedpcl", tau=tau)
     local_lib.check_share(collect_share, "FedPCL's share of local steps collecting "
                                          "prototypes")
-    net = _WithFeatures(model)
+    net = local_lib.WithFeatures(model)
 
     def server_init(variables):
         params, model_state = local_lib.split_variables(variables)
@@ -171,20 +184,13 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
         metrics = jax.tree_util.tree_map(lambda x: x * local.active, metrics)
         return local._replace(train=train), metrics
 
-    def collect_step(local, batch, server):
-        del server
-        return collecting_step(net, local, batch, normalised)
-
-    def client_step(local, batch, server):
-        return jax.lax.cond(local.train.step < local.collect_from, train_step, collect_step,
-                            local, batch, server)
+    client_step = train_then_collect(train_step, net, normalised)
 
     def client_output(local, server):
         del server
-        has = (local.counts > 0).astype(jnp.float32)
-        protos = local.sums / jnp.maximum(local.counts, 1.0)[:, None] * has[:, None]
-        state = {"variables": {"params": local.train.params, **local.train.model_state},
-                 "protos": protos, "has": has}
+        protos, has = class_means(local.sums, local.counts)
+        state = {"variables": local_lib.model_variables(local.train), "protos": protos,
+                 "has": has}
         return {"protos": protos, "has": has}, state
 
     def server_update(server, outputs, info):
@@ -193,46 +199,31 @@ def fedpcl(model: nn.Module, client_tx: optax.GradientTransformation, num_client
         sent = info.weights > 0
         has = outputs["has"] * sent[:, None]
         g, g_present = global_prototypes(outputs["protos"], has)
-        protos = server.protos.at[ids].set(
-            jnp.where(sent[:, None, None], outputs["protos"], server.protos[ids]))
-        present = server.present.at[ids].set(
-            jnp.where(sent[:, None], has, server.present[ids]))
+        protos, present = set_rows((server.protos, server.present), ids,
+                                   (outputs["protos"], has), sent)
         protos, present = pad_with_global(protos, present, g, g_present)
         return server._replace(protos=protos, present=present, global_protos=g,
                                global_present=g_present, round=server.round + 1)
 
-    eval_variables = server_model
-
     def personal_variables(server, client_state):
-        variables = client_state["variables"]
-        params = dict(variables["params"])
         has = client_state["has"]
         # Its own prototypes, padded with G (PFLlib scores the padded set).
         protos, present = pad_with_global(client_state["protos"][None], has[None],
                                           server.global_protos, server.global_present)
         protos, present = protos[0], present[0]
         head = {"kernel": protos.T, "bias": jnp.where(present > 0, 0.0, NEVER)}
-        anything = jnp.sum(has) > 0  # before its first report: its own head
-        params[HEAD] = jax.tree_util.tree_map(lambda p, own: jnp.where(anything, p, own),
-                                              head, params[HEAD])
-        return {**variables, "params": params}
+        # Before its first report: its own head.
+        return swap_head(client_state["variables"], head, jnp.sum(has) > 0)
 
-    def download_bytes(server, client_ids, round_index):
-        del client_ids, round_index
-        # G and the whole padded set S (K entries), each (C, D) + its (C,) mask.
-        return tree_bytes((server.global_protos, server.global_present, server.protos,
-                           server.present))
-
-    return FederatedAlgorithm(
-        server_init, client_state_init, client_init, client_step, client_output,
-        server_update, eval_variables,
-        aggregator=every_output,
-        personal_variables=personal_variables, download_bytes=download_bytes)
+    # G and the whole padded set S (K entries), each (C, D) + its (C,) mask.
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               aggregator=every_output, personal_variables=personal_variables,
+                               download_bytes=sends("global_protos", "global_present",
+                                                    "protos", "present"))
 
 
-def _collect_share(cfg: Any) -> float:
-    return local_lib.share_of_steps(cfg.fedpcl.collect_epochs, cfg.local.epochs,
-                                    "fedpcl.collect_epochs", "the prototype pass is")
+_collect_share = local_lib.epochs_share("fedpcl", "collect_epochs", "the prototype pass is")
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -241,19 +232,6 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return fedpcl(model, client_tx, cfg.partition.num_clients, _collect_share(cfg),
                   tau=cfg.fedpcl.tau)
 
-
-REFERENCE = Reference(
-    "Tan et al., 'Federated Learning from Pre-Trained Models: A Contrastive Learning "
-    "Approach', NeurIPS 2022 (FedPCL: global and personalised prototype contrast)",
-    pfllib("servers/serverpcl.py", "clients/clientpcl.py"),
-    ("prototype column j is class j, as the paper's loss has it (PFLlib stacks them in the "
-     "order classes first appear in a shuffled loader)",
-     "own-prototype padding at scoring uses the current global prototypes, not those of "
-     "the round the client reported (equal under full participation)",
-     "the whole network trains from initialisation: no pre-trained frozen backbone here",
-     "a class missing from a prototype set is masked out (PFLlib's torch.stack fails on it)",
-     "a never-reported client is scored by its own initial head (PFLlib counts it as 0 "
-     "correct)"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_collect_share,
                        heterogeneous=True, reference=REFERENCE)

@@ -31,17 +31,30 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, own_model
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
+                                        server_model)
 from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
 OPTIONS = {"mu": 0.9, "lam": 0.5}
 RULES = {"mu": between(0, 1), "lam": between(0, 1)}
 BANDWIDTHS = (10.0, 15.0, 20.0, 50.0)  # PFLlib's RBF mixture
+
+
+REFERENCE = Reference(
+    "Li et al., 'FedPHP: Federated Personalization with Inherited Private Models', ECML "
+    "PKDD 2021 (the HPM moving average w_p <- (1 - mu_r) w + mu_r w_p, mu_r = mu r / R, "
+    "and the (1 - lambda) CE + lambda MMD local loss)",
+    pfllib("servers/serverphp.py", "clients/clientphp.py"),
+    ("a client is evaluated on its HPM (the paper's inference model); PFLlib scores the "
+     "model it has just trained (the global model for a client not sampled)",
+     "the HPM average covers every variable, BatchNorm statistics too; PFLlib's covers "
+     "the parameters only",
+     "defaults mu = 0.9, lambda = 0.5; PFLlib's (mu = 0, lambda = 1) make the HPM a copy "
+     "of the trained model and drop the supervised term"))
 
 
 class PhpLocal(NamedTuple):
@@ -76,17 +89,14 @@ def fedphp(model: nn.Module, client_tx: optax.GradientTransformation, rounds: in
            lam: float = 0.5) -> FederatedAlgorithm:
     """FedPHP over a run of `rounds` rounds (mu_r's denominator) for a `model` that sows
     its 'features'."""
-    if not 0 <= mu <= 1 or not 0 <= lam <= 1 or rounds < 1:
-        raise ValueError(f"FedPHP needs mu and lam in [0, 1] and rounds >= 1, got mu={mu}, "
-                         f"lam={lam}, rounds={rounds}")
+    check_options(RULES, "fedphp", mu=mu, lam=lam)
+    if rounds < 1:
+        raise ValueError(f"FedPHP needs rounds >= 1, got {rounds}")
     base = fedavg(model, client_tx, server_tx)
-    net = _WithFeatures(model)
+    net = local_lib.WithFeatures(model)
 
     def ce(outputs, labels, mask):
         return local_lib.masked_cross_entropy(outputs[0], labels, mask)
-
-    def client_state_init(server):
-        return {"params": server.params, **server.model_state}
 
     def client_init(server, client_state, ctx):
         return PhpLocal(base.client_init(server, None, ctx), client_state,
@@ -113,14 +123,12 @@ def fedphp(model: nn.Module, client_tx: optax.GradientTransformation, rounds: in
 
     def client_output(local, server):
         output, _ = base.client_output(local.train, server)
-        trained = {"params": local.train.params, **local.train.model_state}
-        return output, moving_average(trained, local.private, local.round, mu, rounds)
+        return output, moving_average(local_lib.model_variables(local.train), local.private,
+                                      local.round, mu, rounds)
 
-    personal_variables = own_model
-
-    return base._replace(client_state_init=client_state_init, client_init=client_init,
+    return base._replace(client_state_init=server_model, client_init=client_init,
                          client_step=client_step, client_output=client_output,
-                         personal_variables=personal_variables)
+                         personal_variables=own_model)
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -129,17 +137,4 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                   lam=cfg.fedphp.lam)
 
 
-REFERENCE = Reference(
-    "Li et al., 'FedPHP: Federated Personalization with Inherited Private Models', ECML "
-    "PKDD 2021 (the HPM moving average w_p <- (1 - mu_r) w + mu_r w_p, mu_r = mu r / R, "
-    "and the (1 - lambda) CE + lambda MMD local loss)",
-    pfllib("servers/serverphp.py", "clients/clientphp.py"),
-    ("a client is evaluated on its HPM (the paper's inference model); PFLlib scores the "
-     "model it has just trained (the global model for a client not sampled)",
-     "the HPM average covers every variable, BatchNorm statistics too; PFLlib's covers "
-     "the parameters only",
-     "defaults mu = 0.9, lambda = 0.5; PFLlib's (mu = 0, lambda = 1) make the HPM a copy "
-     "of the trained model and drop the supervised term"))
-
-ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True,
-                       reference=REFERENCE)
+ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

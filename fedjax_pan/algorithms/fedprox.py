@@ -22,7 +22,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between, one_of
+from fedjax_pan.rules import between, check_options, one_of
 
 PyTree = Any
 DISTANCES = ("l2", "huber")
@@ -57,8 +57,7 @@ def fedprox(model: nn.Module, client_tx: optax.GradientTransformation,
             distance: str = "l2",
             bn: str = "mean") -> FederatedAlgorithm:
     """FedProx for a flax `model`; mu = 0 is FedAvg exactly."""
-    if distance not in DISTANCES:
-        raise ValueError(f"unknown FedProx distance {distance!r}; expected one of {DISTANCES}")
+    check_options(RULES, "fedprox", mu=mu, distance=distance)
     base = fedavg(model, client_tx, server_tx,
                   bn=bn)
 

@@ -93,15 +93,12 @@ def fedrep(model: nn.Module, client_tx: optax.GradientTransformation, head_share
                          client_output=client_output)
 
 
-def _head_share(cfg: Any) -> float:
-    return local_lib.share_of_steps(cfg.fedrep.head_epochs, cfg.local.epochs,
-                                    "fedrep.head_epochs", "the head's epochs are")
+_head_share = local_lib.epochs_share("fedrep", "head_epochs", "the head's epochs are")
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
-    share = _head_share(cfg)
-    return fedrep(model, client_tx, share, server_tx)
+    return fedrep(model, client_tx, _head_share(cfg), server_tx)
 
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_head_share,

@@ -23,12 +23,24 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.algorithms.moon import _WithFeatures
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
 NO_CLASS = -1e9  # log n_c of a class the client lacks: its logit never wins
+
+
+REFERENCE = Reference(
+    "Chen & Chao, 'On Bridging Generic and Personalized Federated Learning for Image "
+    "Classification', ICLR 2022 (FedRoD: generic model on the balanced softmax loss, a "
+    "personal linear head on the detached features added to the generic logits)",
+    pfllib("servers/serverrod.py", "clients/clientrod.py"),
+    ("log n_c of a class the client lacks is -1e9 (its logit never wins); PFLlib's log 0 "
+     "is -inf",
+     "the personal model is evaluated as one head (W_g + W_p, b_g + b_p), equal to PFLlib's "
+     "g(x) + h_p(f(x)) for linear heads",
+     "aggregation weights are uniform by default; PFLlib weights by training samples "
+     "(aggregation.weights='num_examples')"))
 
 
 def balanced_softmax_sum(logits: jax.Array, labels: jax.Array, mask: jax.Array,
@@ -44,7 +56,7 @@ def fedrod(model: nn.Module, client_tx: optax.GradientTransformation,
     """FedRoD with both heads trained by `client_tx` (separate states per parameter),
     warmed up as `client_tx` says."""
     base = fedavg(model, client_tx, server_tx)
-    net = _WithFeatures(model)
+    net = local_lib.WithFeatures(model)
 
     def client_state_init(server):
         linear_head(server.params, "FedRoD")
@@ -97,17 +109,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                 server_tx: optax.GradientTransformation) -> FederatedAlgorithm:
     return fedrod(model, client_tx, server_tx)
 
-
-REFERENCE = Reference(
-    "Chen & Chao, 'On Bridging Generic and Personalized Federated Learning for Image "
-    "Classification', ICLR 2022 (FedRoD: generic model on the balanced softmax loss, a "
-    "personal linear head on the detached features added to the generic logits)",
-    pfllib("servers/serverrod.py", "clients/clientrod.py"),
-    ("log n_c of a class the client lacks is -1e9 (its logit never wins); PFLlib's log 0 "
-     "is -inf",
-     "the personal model is evaluated as one head (W_g + W_p, b_g + b_p), equal to PFLlib's "
-     "g(x) + h_p(f(x)) for linear heads",
-     "aggregation weights are uniform by default; PFLlib weights by training samples "
-     "(aggregation.weights='num_examples')"))
 
 ENTRY = AlgorithmEntry(from_config, {}, {}, personal=True, reference=REFERENCE)

@@ -47,7 +47,7 @@ def fine_tuning(model: nn.Module, client_tx: optax.GradientTransformation
 
     def client_output(local, server):
         del server
-        return (), {"params": local.params, **local.model_state}
+        return (), local_lib.model_variables(local)
 
     def server_update(server, aggregate, info):
         del aggregate, info

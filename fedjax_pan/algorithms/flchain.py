@@ -57,7 +57,7 @@ import functools
 import json
 import os
 import tempfile
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Callable, Dict, List, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -68,9 +68,10 @@ import optax
 from fedjax_pan import distributed
 from fedjax_pan import ledger as ledger_lib
 from fedjax_pan import workdir as workdir_lib
+from fedjax_pan.algorithms import attacks
 from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, tree_bytes
 from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.engine.services import Services, SimState
+from fedjax_pan.engine.services import RoundDefaults, Services, SimState
 from fedjax_pan.errors import ConfigError
 from fedjax_pan.references import Reference
 from fedjax_pan.rules import between, one_of
@@ -95,6 +96,9 @@ _SELECT_STREAM = 0xC4A2
 _KEPT = lambda: "the blocks committed before are kept"  # noqa: E731 - what a fault leaves
 # The clients' outputs, each kept (they become transactions).
 _EACH = Aggregator(lambda outputs, weights, arrivals=None: outputs, stacked=True)
+# server_optimizer(name, lr, momentum): the server optimiser a genesis's rule names
+# (`fedjax_pan.algorithms.server_optimizer`).
+ServerOptimizer = Callable[[str, float, float], optax.GradientTransformation]
 
 
 def select_channels(num_devices: int, channels: int, selection: str, seed: int) -> np.ndarray:
@@ -133,15 +137,13 @@ def round_seconds(options: Dict[str, float], validators: int, channels: int, poo
 
 class ChannelRule:
     """A channel's global-model update from its transactions' updates: Eq. (7) through
-    FedAvg's server update, summed in transaction order as the engine's loop executor sums
-    (so an honest channel is FedAvg's run under that executor to the bit; under vmap, to
-    float32 rounding)."""
+    FedAvg's server update with `server_tx` (the optimiser `rule` names), summed in
+    transaction order as the engine's loop executor sums (so an honest channel is FedAvg's
+    run under that executor to the bit; under vmap, to float32 rounding)."""
 
-    def __init__(self, rule: Dict[str, Any]):
-        from fedjax_pan.algorithms.registry import server_optimizer
+    def __init__(self, rule: Dict[str, Any], server_tx: optax.GradientTransformation):
         self.rule = dict(rule)
-        alg = fedavg(None, None, server_optimizer(rule["optimizer"], rule["lr"],
-                                                  rule["momentum"]))
+        alg = fedavg(None, None, server_tx)
         self.server_init = alg.server_init
         self.eval_variables = alg.eval_variables
         self._add = jax.jit(lambda acc, out, w: tree_map(
@@ -163,15 +165,16 @@ class ChannelRule:
 
 
 @functools.lru_cache(maxsize=8)
-def _rule(encoded: bytes) -> ChannelRule:
+def _rule(encoded: bytes, server_optimizer: ServerOptimizer) -> ChannelRule:
     """The rule a genesis block names, built (and compiled) once per process."""
-    return ChannelRule(json.loads(encoded))
+    rule = json.loads(encoded)
+    return ChannelRule(rule, server_optimizer(rule["optimizer"], rule["lr"], rule["momentum"]))
 
 
 class Replay(NamedTuple):
-    """A channel's state as the audit replays it (`ledger.verify`): its genesis, device
-    keys, the update rule, and the server state after the blocks so far, with its model's
-    state root and digest."""
+    """A channel's state as the audit replays it (`ledger.verify` with `audit`): its
+    genesis, device keys, the update rule, and the server state after the blocks so far,
+    with its model's state root and digest."""
 
     genesis_header: Dict[str, Any]
     keys: Dict[int, str]
@@ -183,10 +186,11 @@ class Replay(NamedTuple):
     digest: str
 
     @staticmethod
-    def genesis(header: Dict[str, Any], keys: Dict[int, str],
-                model: Dict[str, np.ndarray]) -> "Replay":
+    def genesis(header: Dict[str, Any], keys: Dict[int, str], model: Dict[str, np.ndarray],
+                rule: ChannelRule) -> "Replay":
+        """The channel after its genesis `header` (its devices' `keys`, the initial `model`
+        flat), replayed under `rule` (the one `header` names)."""
         variables = _nest(model)
-        rule = _rule(ledger_lib.canonical(header["rule"]))
         server = rule.server_init(variables)
         params = variables["params"]
         template = {"delta": params, "model_state": {k: v for k, v in variables.items()
@@ -206,6 +210,17 @@ class Replay(NamedTuple):
                              digest=ledger_lib.sha256(model))
 
 
+def audit(server_optimizer: ServerOptimizer) -> ledger_lib.ReplayRule:
+    """The update rule `ledger.verify` replays any FLChain ledger with: each channel's
+    Eq. (7) under the rule its genesis names, whose server optimiser `server_optimizer`
+    builds from its name (`fedjax_pan.algorithms.server_optimizer`)."""
+    def genesis(header: Dict[str, Any], keys: Dict[int, str],
+                model: Dict[str, np.ndarray]) -> Replay:
+        return Replay.genesis(header, keys, model,
+                              _rule(ledger_lib.canonical(header["rule"]), server_optimizer))
+    return genesis
+
+
 def _nest(flat: Dict[str, np.ndarray]) -> Dict[str, Any]:
     """{'a/b/c': x} -> {'a': {'b': {'c': x}}}."""
     out: Dict[str, Any] = {}
@@ -218,7 +233,7 @@ def _nest(flat: Dict[str, np.ndarray]) -> Dict[str, Any]:
     return out
 
 
-class FLChain:
+class FLChain(RoundDefaults):
     """FLChain's channels, ledgers and consensus as an `engine.protocol.Round`."""
 
     shapes_change = False
@@ -226,15 +241,15 @@ class FLChain:
     def __init__(self, model: nn.Module, client_tx: optax.GradientTransformation,
                  services: Services, options: Dict[str, Any], rule: Dict[str, Any],
                  seed: int, bn: str, num_classes: int, backdoor_target: int = 2):
-        from fedjax_pan.algorithms.registry import server_optimizer
         self.services, self.o, self.seed = services, dict(options), seed
         self.num_sampled = services.num_sampled
         self.n = int(self.o["validators"])
         self.num_channels = int(self.o["channels"])
         self.quorum = ledger_lib.quorum(self.n)
-        self.rule = ChannelRule(rule)
-        self.algorithm = fedavg(model, client_tx, server_optimizer(
-            rule["optimizer"], rule["lr"], rule["momentum"]), bn=bn)._replace(aggregator=_EACH)
+        # `rule` names the optimiser `services.server_tx` is (the genesis records the names).
+        self.rule = ChannelRule(rule, services.server_tx)
+        self.algorithm = fedavg(model, client_tx, services.server_tx,
+                                bn=bn)._replace(aggregator=_EACH)
         k = services.num_clients
         self.channel_of = select_channels(k, self.num_channels, self.o["selection"], seed)
         # Drawn from the OS (or loaded on resume) by `attach`, or by `init` without a workdir.
@@ -262,7 +277,7 @@ class FLChain:
                         f"missing, and without them no validator or device can sign another "
                         f"block (restore the file, or start over with --overwrite)")
                 try:
-                    ledger_lib.verify(workdir)
+                    ledger_lib.verify(workdir, self._replay)
                 except ledger_lib.LedgerError as e:
                     raise ConfigError(f"cannot resume {workdir!r}: its ledger does not "
                                       f"verify: {e}") from None
@@ -278,6 +293,15 @@ class FLChain:
 
         self.keys = ledger_lib.Keys.from_json(distributed.on_primary(keys, "the ledger's keys"))
         self.ledger = ledger_lib.Ledger(root)
+
+    def _replay(self, header: Dict[str, Any], keys: Dict[int, str],
+                model: Dict[str, np.ndarray]) -> Replay:
+        """A channel of the ledger this run resumes, replayed under this run's rule (the
+        `ledger.ReplayRule` its audit on resume uses)."""
+        if header["rule"] != self.rule.rule:
+            raise ledger_lib.LedgerError(f"its update rule {header['rule']} is not this "
+                                         f"run's {self.rule.rule}")
+        return Replay.genesis(header, keys, model, self.rule)
 
     def _load_keys(self, workdir: str, path: str) -> ledger_lib.Keys:
         try:
@@ -574,7 +598,6 @@ class FLChain:
 
     def _backdoored(self, device: int, t: int, server: Any) -> PyTree:
         if self._attacked is None:
-            from fedjax_pan.algorithms import attacks
             attack = attacks.Attack("backdoor", self.num_classes,
                                     attacks.DEFAULT_SCALE["backdoor"], self.backdoor_target)
             self._attacked = attacks.with_attack(self.algorithm, attack,

@@ -48,11 +48,12 @@ import optax
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, own_model,
-                                        server_model, tree_bytes)
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm, own_model, sends, server_model)
+from fedjax_pan.algorithms.fedavg import server_step
 from fedjax_pan.algorithms.personal import HEAD
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import Rule, between, boolean, one_of
+from fedjax_pan.rules import Rule, between, boolean, check_options, one_of
 
 PyTree = Any
 KL_MEANS = ("elements", "examples")
@@ -60,6 +61,22 @@ DEFAULT_SPEC = "mlp(hidden=(200,))"
 OPTIONS = {"meme": DEFAULT_SPEC, "alpha": 1.0, "beta": 0.0, "detach": False,
            "kl_mean": "elements", "clip": 10.0}
 MEME_KEY = 0x3E3E  # folded into the seed: the meme's initial key
+
+
+REFERENCE = Reference(
+    "Shen et al., 'Federated Mutual Learning', arXiv:2006.16765, 2020 (deep mutual "
+    "learning of the private and meme models, L_p and L_m, and FedAvg on the meme)",
+    pfllib("servers/serverfml.py", "clients/clientfml.py"),
+    ("the meme's architecture is the option fml.meme (default mlp(hidden=(200,))) "
+     "initialised from the seed's folded key; PFLlib's meme is a copy of the global model, "
+     "which under heterogeneous clients has no single architecture",
+     "the server averages the memes with the configured aggregation weights (PFLlib's "
+     "uniform 1/M is aggregation.weights='uniform', the default)",
+     "the meme's BatchNorm statistics are averaged with it; PFLlib's aggregate keeps the "
+     "first uploaded meme's",
+     "defaults alpha = 1, beta = 0, KL 'elements' and undetached targets are PFLlib's; "
+     "the paper's are alpha = beta = 0.5 with per-example KL and detached targets "
+     "(fml.kl_mean='examples', fml.detach=True)"))
 
 
 def spec_error(value: Any) -> Optional[str]:
@@ -92,12 +109,6 @@ def head_classes(params: PyTree, who: str) -> int:
     return int(head["kernel"].shape[-1])
 
 
-def check_spec(spec: str, option: str) -> None:
-    why = spec_error(spec)
-    if why is not None:
-        raise ValueError(f"{option} must be {why}, got {spec!r}")
-
-
 def kl_divergence(target_logits: jax.Array, logits: jax.Array, mask: jax.Array,
                   kl_mean: str) -> Tuple[jax.Array, jax.Array]:
     """(KL(softmax(target) || softmax(logits)) over the real rows, reduced as PyTorch's
@@ -121,14 +132,11 @@ def clip_grad_norm(grads: PyTree, max_norm: float) -> PyTree:
     return jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads)
 
 
-def check_options(alpha: float, beta: float, kl_mean: str, clip: float) -> None:
-    for name, value in (("alpha", alpha), ("beta", beta)):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"FML needs {name} in [0, 1], got {value}")
-    if kl_mean not in KL_MEANS:
-        raise ValueError(f"unknown kl_mean {kl_mean!r}; expected one of {KL_MEANS}")
-    if not clip >= 0:
-        raise ValueError(f"clip must be >= 0 (0: off), got {clip}")
+def clipped_step(tx: optax.GradientTransformation, train: local_lib.LocalState,
+                 grads: PyTree, model_state: Dict[str, PyTree], clip: float
+                 ) -> local_lib.LocalState:
+    """`train` one step of `tx` on `grads` clipped to norm `clip` (`clip_grad_norm`)."""
+    return local_lib.apply_gradients(tx, train, clip_grad_norm(grads, clip), model_state)
 
 
 class FmlServer(NamedTuple):
@@ -152,8 +160,8 @@ def fml(model: nn.Module, client_tx: optax.GradientTransformation,
         clip: float = 10.0, seed: int = 0) -> FederatedAlgorithm:
     """FML for a client network `model` and the meme network the spec `meme` describes,
     initialised for inputs of `input_shape` (H, W, C) from `seed`."""
-    check_spec(meme, "FML's meme")
-    check_options(alpha, beta, kl_mean, clip)
+    check_options(RULES, "fml", meme=meme, alpha=alpha, beta=beta, detach=detach,
+                  kl_mean=kl_mean, clip=clip)
     input_shape = tuple(input_shape)
     other = jax.lax.stop_gradient if detach else (lambda x: x)
 
@@ -167,9 +175,6 @@ def fml(model: nn.Module, client_tx: optax.GradientTransformation,
         meme_params, meme_state = local_lib.split_variables(models.init(net, key, input_shape))
         return FmlServer(params, model_state, meme_params, meme_state,
                          server_tx.init(meme_params), jnp.zeros((), jnp.int32))
-
-    def client_state_init(server):
-        return {"params": server.params, **server.model_state}
 
     def client_init(server, client_state, ctx):
         return FmlLocal(local_lib.init_local(client_tx, client_state, ctx.round),
@@ -199,41 +204,26 @@ def fml(model: nn.Module, client_tx: optax.GradientTransformation,
         grads, (state_p, state_m, ce_p, ce_m, kl_sum) = jax.grad(objective, has_aux=True)(
             (local.own.params, local.meme.params))
 
-        def apply(train, grad, state):
-            updates, opt_state = client_tx.update(clip_grad_norm(grad, clip), train.opt_state,
-                                                  train.params)
-            return local_lib.LocalState(optax.apply_updates(train.params, updates), state,
-                                        opt_state, train.step + 1)
-        return (FmlLocal(apply(local.own, grads[0], state_p),
-                         apply(local.meme, grads[1], state_m)),
+        return (FmlLocal(clipped_step(client_tx, local.own, grads[0], state_p, clip),
+                         clipped_step(client_tx, local.meme, grads[1], state_m, clip)),
                 {"loss_sum": ce_p, "num_examples": jnp.sum(mask), "meme_loss_sum": ce_m,
                  "kl_sum": kl_sum})
 
     def client_output(local, server):
         delta = jax.tree_util.tree_map(jnp.subtract, local.meme.params, server.meme)
         return ({"delta": delta, "model_state": local.meme.model_state},
-                {"params": local.own.params, **local.own.model_state})
+                local_lib.model_variables(local.own))
 
     def server_update(server, mean, info):
         del info
-        grad = jax.tree_util.tree_map(jnp.negative, mean["delta"])
-        updates, opt_state = server_tx.update(grad, server.opt_state, server.meme)
-        return server._replace(meme=optax.apply_updates(server.meme, updates),
-                               meme_state=mean["model_state"], opt_state=opt_state,
+        meme, opt_state = server_step(server_tx, server.meme, server.opt_state, mean["delta"])
+        return server._replace(meme=meme, meme_state=mean["model_state"], opt_state=opt_state,
                                round=server.round + 1)
 
-    eval_variables = server_model
-
-    personal_variables = own_model
-
-    def download_bytes(server, client_ids, round_index):
-        del client_ids, round_index
-        return tree_bytes((server.meme, server.meme_state))
-
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=server_model,
+                               personal_variables=own_model,
+                               download_bytes=sends("meme", "meme_state"))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
@@ -245,21 +235,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                seed=cfg.seed)
 
 
-REFERENCE = Reference(
-    "Shen et al., 'Federated Mutual Learning', arXiv:2006.16765, 2020 (deep mutual "
-    "learning of the private and meme models, L_p and L_m, and FedAvg on the meme)",
-    pfllib("servers/serverfml.py", "clients/clientfml.py"),
-    ("the meme's architecture is the option fml.meme (default mlp(hidden=(200,))) "
-     "initialised from the seed's folded key; PFLlib's meme is a copy of the global model, "
-     "which under heterogeneous clients has no single architecture",
-     "the server averages the memes with the configured aggregation weights (PFLlib's "
-     "uniform 1/M is aggregation.weights='uniform', the default)",
-     "the meme's BatchNorm statistics are averaged with it; PFLlib's aggregate keeps the "
-     "first uploaded meme's",
-     "defaults alpha = 1, beta = 0, KL 'elements' and undetached targets are PFLlib's; "
-     "the paper's are alpha = beta = 0.5 with per-example KL and detached targets "
-     "(fml.kl_mean='examples', fml.detach=True)"))
-
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, heterogeneous=True,
-                       input_shape=True,
-                       reference=REFERENCE)
+                       input_shape=True, reference=REFERENCE)

@@ -51,8 +51,7 @@ import optax
 
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
-from fedjax_pan.algorithms.fedcp import LN_EPS
-from fedjax_pan.algorithms.moon import _WithFeatures
+from fedjax_pan.algorithms.fedcp import LN_EPS, one_group
 from fedjax_pan.algorithms.personal import HEAD, linear_head
 from fedjax_pan.references import Reference, pfllib
 from fedjax_pan.rules import between
@@ -62,6 +61,22 @@ tree_map = jax.tree_util.tree_map
 OPTIONS = {"lam": 1.0, "mu": 0.0}
 RULES = {"lam": between(0, 1e4), "mu": between(0, 100)}
 COLLECTION = "gpfl"  # the personal model's extra variables (GNet reads them)
+
+
+REFERENCE = Reference(
+    "Zhang et al., 'GPFL: Simultaneously Learning Global and "
+    "Personalized Feature Information for Personalized Federated Learning', ICCV 2023 "
+    "(Algorithm 1: the Conditional Valve over the GCE's generic and personalised inputs, "
+    "the personal CE + the GCE's angle-level loss + lambda times the alignment norm)",
+    pfllib("servers/servergpfl.py", "clients/clientgpfl.py"),
+    ("the GCE and CoV step with client_tx (plus weight decay mu); PFLlib steps them with "
+     "plain SGD at the client learning rate",
+     "the personal conditional input of a client that has never trained is 0 (its label "
+     "histogram is known only once it takes part); PFLlib reads every client's at start-up",
+     "BatchNorm statistics are averaged with the extractor; PFLlib aggregates and sends "
+     "parameters only",
+     "runs through a one-group Groups driver evaluating GNet: settings that need the "
+     "compiled Simulation, and model.architectures, are refused"))
 
 
 class GServer(NamedTuple):
@@ -146,7 +161,7 @@ class GNet(NamedTuple):
             return self.model.apply(variables, x, train=train, mask=mask, mutable=mutable)
         extra = variables[COLLECTION]
         rest = {k: v for k, v in variables.items() if k != COLLECTION}
-        _, f = _WithFeatures(self.model).apply(rest, x, train=False, mask=mask)
+        _, f = local_lib.WithFeatures(self.model).apply(rest, x, train=False, mask=mask)
         head = rest["params"][HEAD]
         return cov_apply(extra["cov"], f, extra["cond"]) @ head["kernel"] + head["bias"]
 
@@ -160,7 +175,7 @@ def gpfl(model: nn.Module, client_tx: optax.GradientTransformation,
         raise ValueError(f"GPFL's lam must lie in [0, 1e4], got {lam}")
     if not 0 <= mu <= 100:
         raise ValueError(f"GPFL's mu must lie in [0, 100], got {mu}")
-    net = _WithFeatures(model)
+    net = local_lib.WithFeatures(model)
     key0 = jax.random.fold_in(jax.random.PRNGKey(seed), 0x6F)
 
     def server_init(variables):
@@ -220,9 +235,7 @@ def gpfl(model: nn.Module, client_tx: optax.GradientTransformation,
         # PyTorch's weight_decay=mu on the GCE's and CoV's optimisers.
         for name in ("gce", "cov"):
             grads[name] = tree_map(lambda g, w: g + mu * w, grads[name], train.params[name])
-        updates, opt_state = client_tx.update(grads, train.opt_state, train.params)
-        params = optax.apply_updates(train.params, updates)
-        train = local_lib.LocalState(params, new_state, opt_state, train.step + 1)
+        train = local_lib.apply_gradients(client_tx, train, grads, new_state)
         real = jnp.sum(mask)
         return local._replace(train=train), {"loss_sum": ce_sum, "num_examples": real,
                                              "gce_sum": gce_sum, "align_sum": align * real}
@@ -278,24 +291,8 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
 def driver(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
            services: Any) -> Any:
     """One group over every client (`engine.groups.Groups`) evaluated through `GNet`."""
-    from fedjax_pan.algorithms.fedcp import one_group
     return one_group("GPFL", GNet(model), model, cfg, client_tx, services, from_config)
 
-
-REFERENCE = Reference(
-    "Zhang et al., 'GPFL: Simultaneously Learning Global and "
-    "Personalized Feature Information for Personalized Federated Learning', ICCV 2023 "
-    "(Algorithm 1: the Conditional Valve over the GCE's generic and personalised inputs, "
-    "the personal CE + the GCE's angle-level loss + lambda times the alignment norm)",
-    pfllib("servers/servergpfl.py", "clients/clientgpfl.py"),
-    ("the GCE and CoV step with client_tx (plus weight decay mu); PFLlib steps them with "
-     "plain SGD at the client learning rate",
-     "the personal conditional input of a client that has never trained is 0 (its label "
-     "histogram is known only once it takes part); PFLlib reads every client's at start-up",
-     "BatchNorm statistics are averaged with the extractor; PFLlib aggregates and sends "
-     "parameters only",
-     "runs through a one-group Groups driver evaluating GNet: settings that need the "
-     "compiled Simulation, and model.architectures, are refused"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, driver=driver, personal=True,
                        reference=REFERENCE)

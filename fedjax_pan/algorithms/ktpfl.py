@@ -60,8 +60,9 @@ import optax
 from fedjax_pan import models
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, RoundInfo,
-                                        every_output, own_model, server_model, weighted_sum)
-from fedjax_pan.engine.services import Services, SimState
+                                        every_output, federated_algorithm, own_model,
+                                        server_model, weighted_sum)
+from fedjax_pan.engine.services import RoundDefaults, Services, SimState
 from fedjax_pan.references import Reference
 from fedjax_pan.rules import Rule, between, boolean, one_of
 
@@ -248,9 +249,6 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
                         jnp.broadcast_to(first, (num_clients, *first.shape)),
                         jnp.zeros((num_clients,), jnp.float32), jnp.zeros((), jnp.int32))
 
-    def client_state_init(server):
-        return {"params": server.params, **server.model_state}
-
     def client_init(server, client_state, ctx):
         # ctx.round, not server.round: phase 2's server has already counted the round.
         train = local_lib.init_local(client_tx, client_state, ctx.round)
@@ -289,7 +287,7 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
 
     def client_output(local, server):
         del server
-        variables = {"params": local.train.params, **local.train.model_state}
+        variables = local_lib.model_variables(local.train)
         if phase == "distill":
             return (), variables
         soft = predict(local.train.params, local.train.model_state)
@@ -301,22 +299,16 @@ def ktpfl(model: nn.Module, client_tx: optax.GradientTransformation, public: jax
         return absorb(server, info.client_ids, outputs["soft"], outputs["size"], lam, rho,
                       coef_lr, simplex, coef_update)
 
-    eval_variables = server_model
-
-    personal_variables = own_model
-
-    # The clients' reports, stacked for `absorb` (phase 2 reports nothing: a sum of ()).
-    aggregator = (weighted_sum if phase == "distill"
-                  else every_output)
     def download_bytes(server, client_ids, round_index):
         # Each client receives its personalised target (P, C), not a model.
         del client_ids, round_index
         return target_bytes(server.soft)
 
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              aggregator=aggregator, personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    # The clients' reports, stacked for `absorb` (phase 2 reports nothing: a sum of ()).
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=server_model,
+                               aggregator=weighted_sum if phase == "distill" else every_output,
+                               personal_variables=own_model, download_bytes=download_bytes)
 
 
 def target_bytes(soft: jax.Array) -> int:
@@ -347,7 +339,7 @@ class Group(NamedTuple):
 
 
 @dataclasses.dataclass
-class KtMixed:
+class KtMixed(RoundDefaults):
     """KT-pFL's server logic as an `engine.protocol.Round` on the engine's `services`, over
     clients of one or several architectures.
 
@@ -550,9 +542,7 @@ def _options(cfg: Any) -> Dict[str, Any]:
                 simplex=o.simplex, coef_update=o.coef_update, eval_batch=cfg.eval.batch_size)
 
 
-def _distill_share(cfg: Any) -> float:
-    return local_lib.share_of_steps(cfg.ktpfl.distill_epochs, cfg.local.epochs,
-                                    "ktpfl.distill_epochs", "distillation is")
+_distill_share = local_lib.epochs_share("ktpfl", "distill_epochs", "distillation is")
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,

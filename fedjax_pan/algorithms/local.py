@@ -18,7 +18,10 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
+from fedjax_pan.models import layers
+
 PyTree = Any
+FEATURES = "features" + layers.SOW_SUFFIX  # the representation's key in 'intermediates'
 # 'halving' is a decay, not a warm-up: the rate halves every `warmup_length` rounds (the
 # SageFlow authors' `lrdecay`).
 WARMUPS = ("none", "steps", "rounds", "halving")
@@ -218,11 +221,54 @@ def sgd_step(model: nn.Module, tx: optax.GradientTransformation, local: LocalSta
     grads, (loss_sum, new_state, extra_metrics) = jax.grad(loss_fn, has_aux=True)(local.params)
     if grad_transform is not None:
         grads = grad_transform(grads, local)
+    return apply_gradients(tx, local, grads, new_state), {
+        "loss_sum": loss_sum, "num_examples": jnp.sum(batch["mask"]), **extra_metrics}
+
+
+def apply_gradients(tx: optax.GradientTransformation, local: LocalState, grads: PyTree,
+                    model_state: Dict[str, PyTree]) -> LocalState:
+    """`local` one step of `tx` on `grads` on, its non-trainable collections now
+    `model_state` (those of the step's forward pass)."""
     updates, opt_state = tx.update(grads, local.opt_state, local.params)
-    params = optax.apply_updates(local.params, updates)
-    new_local = LocalState(params, new_state, opt_state, local.step + 1)
-    return new_local, {"loss_sum": loss_sum, "num_examples": jnp.sum(batch["mask"]),
-                       **extra_metrics}
+    return LocalState(optax.apply_updates(local.params, updates), model_state, opt_state,
+                      local.step + 1)
+
+
+def model_variables(local: LocalState) -> Dict[str, PyTree]:
+    """The model `local` holds as flax variables: {'params': ..., **model_state}."""
+    return {"params": local.params, **local.model_state}
+
+
+class WithFeatures(NamedTuple):
+    """`model` as `forward` / `sgd_step` call it, returning (logits, features): the
+    representation the model sows as 'features' (`models.layers.sow`), read from the same
+    forward pass that gives the logits (one pass for both; the step's warm-up, clipping
+    and BatchNorm unchanged)."""
+
+    model: nn.Module
+
+    def apply(self, variables, x, train=False, mask=None, mutable=False):
+        kept = list(mutable) if mutable else []
+        logits, state = self.model.apply(variables, x, train=train, mask=mask,
+                                         mutable=kept + ["intermediates"])
+        if FEATURES not in state.get("intermediates", {}):
+            raise ValueError(f"this algorithm reads the representation a model sows as "
+                             f"'features' (see models.layers.sow); "
+                             f"{type(self.model).__name__} sows none")
+        outputs = (logits, state["intermediates"][FEATURES])
+        if not mutable:
+            return outputs
+        return outputs, {k: v for k, v in state.items() if k != "intermediates"}
+
+
+def epochs_share(section: str, option: str, what: str) -> Callable[[Any], float]:
+    """cfg -> the share of its local steps an algorithm spends on a phase of its own,
+    `config.<section>.<option>` of `local.epochs` (`share_of_steps`; ValueError where the
+    phase does not fit): an entry's `check` and its builder's share."""
+    def share(cfg: Any) -> float:
+        return share_of_steps(cfg[section][option], cfg.local.epochs, f"{section}.{option}",
+                              what)
+    return share
 
 
 def scale_updates(updates: PyTree, scale: jax.Array) -> PyTree:

@@ -38,9 +38,8 @@ import optax
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.models import layers
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 OPTIONS = {"mu": 1.0, "tau": 0.5}
@@ -55,7 +54,6 @@ REFERENCE = Reference(
      "the global and previous models run in eval mode with the server's BatchNorm "
      "statistics; PFLlib runs both copies in train mode (batch statistics)",
      "l_con is averaged over the batch's real examples only (padded rows masked)"))
-FEATURES = "features" + layers.SOW_SUFFIX  # the representation's key in 'intermediates'
 
 
 class ClientState(NamedTuple):
@@ -70,28 +68,6 @@ class MoonLocal(NamedTuple):
 
     train: local_lib.LocalState
     prev_params: PyTree
-
-
-class _WithFeatures(NamedTuple):
-    """`model` as `local.forward` / `local.sgd_step` call it, returning (logits, features).
-
-    Reading the features from the same forward pass that gives the logits keeps MOON at
-    three passes per step and reuses FedAvg's step (warm-up, clipping, BN) unchanged.
-    """
-
-    model: nn.Module
-
-    def apply(self, variables, x, train=False, mask=None, mutable=False):
-        kept = list(mutable) if mutable else []
-        logits, state = self.model.apply(variables, x, train=train, mask=mask,
-                                         mutable=kept + ["intermediates"])
-        if FEATURES not in state.get("intermediates", {}):
-            raise ValueError(f"MOON needs a model that sows its representation as 'features' "
-                             f"(see models.layers.sow); {type(self.model).__name__} does not")
-        outputs = (logits, state["intermediates"][FEATURES])
-        if not mutable:
-            return outputs
-        return outputs, {k: v for k, v in state.items() if k != "intermediates"}
 
 
 def cosine_similarity(a: jax.Array, b: jax.Array, eps: float = 1e-8) -> jax.Array:
@@ -123,13 +99,9 @@ def moon(model: nn.Module, client_tx: optax.GradientTransformation,
          tau: float = 0.5,
          bn: str = "mean") -> FederatedAlgorithm:
     """MOON for a flax `model` that sows 'features'; mu = 0 is FedAvg exactly."""
-    if mu < 0:
-        raise ValueError(f"MOON needs mu >= 0, got {mu}")
-    if tau <= 0:
-        raise ValueError(f"MOON needs a temperature tau > 0, got {tau}")
-    base = fedavg(model, client_tx, server_tx,
-                  bn=bn)
-    net = _WithFeatures(model)
+    check_options(RULES, "moon", mu=mu, tau=tau)
+    base = fedavg(model, client_tx, server_tx, bn=bn)
+    net = local_lib.WithFeatures(model)
 
     def ce(outputs, labels, mask):  # the supervised part reads the logits only
         return local_lib.masked_cross_entropy(outputs[0], labels, mask)

@@ -59,7 +59,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference
-from fedjax_pan.rules import between, one_of
+from fedjax_pan.rules import between, check_options, one_of
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -70,6 +70,22 @@ RULES = {"strategy": one_of(STRATEGIES), "layers": between(0, 1000, integer=True
                                                            optional=True),
          "strategy_epochs": between(0, 1000, lo_open=True),
          "strategy_lr": between(0, 100), "temperature": between(0.01, 100)}
+
+
+REFERENCE = Reference(
+    "Sun, Huo, Yang, Bai, 'PartialFed: Cross-Domain Personalized Federated Learning via "
+    "Partial Initialization', NeurIPS 2021 (the layer-wise initialisation theta^c_t[l] = "
+    "A[l] theta^g_t[l] + (1 - A[l]) theta^c_{t-1}[l]; PartialFed-Fix and -Adaptive)", None,
+    ("the paper's method section was not consulted: PartialFed-Adaptive's relaxation (a "
+     "logit per layer, binary Gumbel-softmax with the straight-through estimator), its "
+     "rate, temperature and zero start are this module's choices; no reference code (PFLlib "
+     "has no PartialFed)",
+     "the strategy steps are the first share of the round's local work "
+     "(strategy_epochs out of local.epochs)",
+     "layers are the model's top-level parameter scopes in call order, a normalisation "
+     "layer one of its own; Fix's default loads all but the classifier",
+     "a client that has never trained takes the global model and leaves its logits as "
+     "they are"))
 
 
 class PartialLocal(NamedTuple):
@@ -111,18 +127,11 @@ def partialfed(model: nn.Module, client_tx: optax.GradientTransformation,
     """PartialFed-Adaptive (its strategy learned in the first round(strategy_share x
     steps) local steps) or PartialFed-Fix (the bottom `layers` layers loaded from the
     global model; None: all but the top one)."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown PartialFed strategy {strategy!r}; expected one of "
-                         f"{STRATEGIES}")
+    check_options(RULES, "partialfed", strategy=strategy, layers=layers,
+                  strategy_lr=strategy_lr, temperature=temperature)
     if strategy == "adaptive":
         local_lib.check_share(strategy_share, "PartialFed's share of local steps for "
                                               "learning its strategy")
-        if not 0.01 <= temperature <= 100:
-            raise ValueError(f"partialfed.temperature must lie in [0.01, 100], got "
-                             f"{temperature}")
-        if not 0 <= strategy_lr <= 100:
-            raise ValueError(f"partialfed.strategy_lr must lie in [0, 100], got "
-                             f"{strategy_lr}")
     base = fedavg(model, client_tx, server_tx)
 
     def names_of(params) -> List[str]:
@@ -228,21 +237,6 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
                       strategy=o.strategy, layers=o.layers, strategy_lr=o.strategy_lr,
                       temperature=o.temperature)
 
-
-REFERENCE = Reference(
-    "Sun, Huo, Yang, Bai, 'PartialFed: Cross-Domain Personalized Federated Learning via "
-    "Partial Initialization', NeurIPS 2021 (the layer-wise initialisation theta^c_t[l] = "
-    "A[l] theta^g_t[l] + (1 - A[l]) theta^c_{t-1}[l]; PartialFed-Fix and -Adaptive)", None,
-    ("the paper's method section was not consulted: PartialFed-Adaptive's relaxation (a "
-     "logit per layer, binary Gumbel-softmax with the straight-through estimator), its "
-     "rate, temperature and zero start are this module's choices; no reference code (PFLlib "
-     "has no PartialFed)",
-     "the strategy steps are the first share of the round's local work "
-     "(strategy_epochs out of local.epochs)",
-     "layers are the model's top-level parameter scopes in call order, a normalisation "
-     "layer one of its own; Fix's default loads all but the classifier",
-     "a client that has never trained takes the global model and leaves its logits as "
-     "they are"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, check=_strategy_share,
                       reference=REFERENCE)

@@ -30,7 +30,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, no_client_state
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import Rule, between, boolean
+from fedjax_pan.rules import Rule, between, boolean, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -82,9 +82,10 @@ def perfedavg(model: nn.Module, alpha: float,
     """Per-FedAvg (FO, or HF with `hessian_free`) on `loss`; beta None: beta = alpha. The
     learning rates warm up as the optimiser `lr_schedule` does (from a config: the client
     optimiser)."""
+    check_options(RULES, "perfedavg", beta=beta, hessian_free=hessian_free)
+    if alpha <= 0:
+        raise ValueError(f"Per-FedAvg needs alpha > 0, got {alpha}")
     beta = alpha if beta is None else beta
-    if alpha <= 0 or beta <= 0:
-        raise ValueError(f"Per-FedAvg needs alpha, beta > 0, got {alpha}, {beta}")
     parts = 3 if hessian_free else 2
     base = fedavg(model, optax.sgd(alpha), server_tx)
 

@@ -27,9 +27,9 @@ import optax
 from flax import traverse_util
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm, server_model,
-                                        tree_bytes)
-from fedjax_pan.algorithms.fedavg import ServerState
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm, sends)
+from fedjax_pan.algorithms.fedavg import ServerState, initial_server
 from fedjax_pan.references import Reference, pfllib
 
 PyTree = Any
@@ -114,9 +114,7 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
     """
 
     def server_init(variables):
-        params, model_state = local_lib.split_variables(variables)
-        return ServerState(params, model_state, server_tx.init(params),
-                           jnp.zeros((), jnp.int32))
+        return initial_server(server_tx, variables)
 
     def client_state_init(server):
         own = split_params(server.params, personal)[1]
@@ -163,23 +161,19 @@ def partial_sharing(model: nn.Module, client_tx: optax.GradientTransformation,
                        for c, s in server.model_state.items()}
         return ServerState(params, model_state, opt_state, server.round + 1)
 
-    eval_variables = server_model
-
     def personal_variables(server, client_state):
         params, model_state = combined(server, client_state)
         return {"params": params, **model_state}
 
-    def download_bytes(server, client_ids, round_index):
+    def shared_part(server):
         # Only the shared parameters and statistics are sent.
-        del client_ids, round_index
-        return tree_bytes((split_params(server.params, personal)[0],
-                           {c: split_params(s, personal)[0]
-                            for c, s in server.model_state.items()}))
+        return (split_params(server.params, personal)[0],
+                {c: split_params(s, personal)[0] for c, s in server.model_state.items()})
 
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              personal_variables=personal_variables,
-                              download_bytes=download_bytes)
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               personal_variables=personal_variables,
+                               download_bytes=sends(shared_part))
 
 
 def _entry(name: str) -> AlgorithmEntry:

@@ -34,7 +34,7 @@ from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import DELTA_VIEW, ServerState, fedavg
 from fedjax_pan.engine.protocol import ModelView
 from fedjax_pan.references import Reference
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -78,8 +78,7 @@ def pfedeff(model: nn.Module, client_tx: optax.GradientTransformation,
             keep: float = 0.5, lam: float = 0.5) -> FederatedAlgorithm:
     """The personalised masked aggregation for a flax `model` over `num_clients` clients
     (BatchNorm statistics, if any, are averaged as FedAvg's)."""
-    if not 0.0 < keep <= 1.0 or not 0.0 <= lam < 1.0:
-        raise ValueError(f"pfedeff needs keep in (0, 1] and lam in [0, 1), got {keep}, {lam}")
+    check_options(RULES, "pfedeff", keep=keep, lam=lam)
     base = fedavg(model, client_tx, server_tx)
 
     def server_init(variables):

@@ -26,7 +26,7 @@ from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.fedavg import fedavg
 from fedjax_pan.references import Reference, pfllib
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -36,6 +36,17 @@ OPTIONS = {"lam": 15.0, "inner_steps": 5, "personal_lr": 0.09, "beta": 1.0, "mu"
 RULES = {"lam": between(0, 1e4), "inner_steps": between(1, 100, integer=True),
          "personal_lr": between(0, 100, lo_open=True), "beta": between(0, 100, lo_open=True),
          "mu": between(0, 1e4)}
+
+
+REFERENCE = Reference(
+    "Dinh, Tran, Nguyen, 'Personalized Federated Learning with Moreau Envelopes', NeurIPS "
+    "2020 (pFedMe, Alg. 1: K inner steps for theta, the local update of w, the server's "
+    "beta step)",
+    pfllib("servers/serverpFedMe.py", "clients/clientpFedMe.py"),
+    ("mu (the inner steps' weight decay) defaults to 0; PFLlib's pFedMeOptimizer always "
+     "uses its default mu = 0.001",
+     "aggregation weights are uniform by default; PFLlib weights by training samples "
+     "(aggregation.weights='num_examples')"))
 
 
 class PFedMeLocal(NamedTuple):
@@ -53,8 +64,8 @@ def pfedme(model: nn.Module, learning_rate: float,
     """pFedMe; `learning_rate` is the local model's (w's) step size, warmed up as the
     optimiser `lr_schedule` is (from a config: the client optimiser); the inner problem's
     steps use `personal_lr` as they are."""
-    if inner_steps < 1:
-        raise ValueError(f"pFedMe needs inner_steps >= 1, got {inner_steps}")
+    check_options(RULES, "pfedme", lam=lam, inner_steps=inner_steps, personal_lr=personal_lr,
+                  beta=beta, mu=mu)
     base = fedavg(model, optax.sgd(learning_rate), server_tx)
 
     def client_state_init(server):
@@ -100,15 +111,5 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     return pfedme(model, cfg.optimizer.lr, server_tx, lam=o.lam, inner_steps=o.inner_steps,
                   personal_lr=o.personal_lr, beta=o.beta, mu=o.mu, lr_schedule=client_tx)
 
-
-REFERENCE = Reference(
-    "Dinh, Tran, Nguyen, 'Personalized Federated Learning with Moreau Envelopes', NeurIPS "
-    "2020 (pFedMe, Alg. 1: K inner steps for theta, the local update of w, the server's "
-    "beta step)",
-    pfllib("servers/serverpFedMe.py", "clients/clientpFedMe.py"),
-    ("mu (the inner steps' weight decay) defaults to 0; PFLlib's pFedMeOptimizer always "
-     "uses its default mu = 0.001",
-     "aggregation weights are uniform by default; PFLlib weights by training samples "
-     "(aggregation.weights='num_examples')"))
 
 ENTRY = AlgorithmEntry(from_config, OPTIONS, RULES, personal=True, reference=REFERENCE)

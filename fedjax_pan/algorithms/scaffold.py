@@ -43,10 +43,11 @@ import jax.numpy as jnp
 import optax
 
 from fedjax_pan.algorithms import local as local_lib
-from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm, tree_bytes
+from fedjax_pan.algorithms.core import (AlgorithmEntry, FederatedAlgorithm,
+                                        federated_algorithm, sends)
 from fedjax_pan.algorithms.fedavg import ServerState, fedavg
 from fedjax_pan.references import Reference
-from fedjax_pan.rules import between
+from fedjax_pan.rules import between, check_options
 
 PyTree = Any
 tree_map = jax.tree_util.tree_map
@@ -104,8 +105,7 @@ def scaffold(model: nn.Module, client_tx: optax.GradientTransformation, lr: floa
         raise ValueError(f"SCAFFOLD needs the client learning rate lr > 0, got {lr}")
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"SCAFFOLD needs momentum in [0, 1), got {momentum}")
-    if not server_lr > 0:
-        raise ValueError(f"SCAFFOLD needs server_lr > 0, got {server_lr}")
+    check_options(RULES, "scaffold", server_lr=server_lr)
     # x <- x - lr_g * (-mean delta_y): FedAvg's server step with sgd(lr_g).
     base = fedavg(model, client_tx, optax.sgd(server_lr), bn=bn, loss=loss)
 
@@ -150,14 +150,11 @@ def scaffold(model: nn.Module, client_tx: optax.GradientTransformation, lr: floa
     def eval_variables(server):
         return base.eval_variables(server.base)
 
-    def download_bytes(server, client_ids, round_index):
-        # The model and the server control variate c.
-        del client_ids, round_index
-        return tree_bytes((eval_variables(server), server.c))
-
-    return FederatedAlgorithm(server_init, client_state_init, client_init, client_step,
-                              client_output, server_update, eval_variables,
-                              download_bytes=download_bytes)
+    # A client receives the model and the server control variate c.
+    return federated_algorithm(server_init, client_init, client_step, client_output,
+                               server_update, client_state_init=client_state_init,
+                               eval_variables=eval_variables,
+                               download_bytes=sends(eval_variables, "c"))
 
 
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,

@@ -19,7 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_pan import permutation as perm_lib
-from fedjax_pan.algorithms.core import FederatedAlgorithm
+from ml_collections.config_dict import placeholder
+
+from fedjax_pan.algorithms.core import Build, FeatureEntry, FederatedAlgorithm
+from fedjax_pan.algorithms.wrapping import nest_local
+from fedjax_pan.engine.protocol import placeholder_context
+from fedjax_pan.rules import between
 
 PyTree = Any
 
@@ -35,6 +40,7 @@ def with_shuffling(algorithm: FederatedAlgorithm, spec: perm_lib.PermutationSpec
                    p_sf: float, n_sf: float, window: Optional[float] = None,
                    track_product: bool = False) -> FederatedAlgorithm:
     """`algorithm` with Alg. 2's random neuron shuffles during local training."""
+    nested = nest_local(algorithm)
 
     def client_init(server, client_state, ctx):
         inner = algorithm.client_init(server, client_state, ctx)
@@ -57,12 +63,41 @@ def with_shuffling(algorithm: FederatedAlgorithm, spec: perm_lib.PermutationSpec
         # that shuffle (about N_sf of a round's r_k), not on every step.
         inner, product = jax.lax.cond(do, shuffle, lambda i, p, _: (i, p), local.inner,
                                       local.product, k_perm)
-        inner, metrics = algorithm.client_step(inner, batch, server)
-        metrics = {**metrics, "shuffles": do.astype(jnp.float32)}
-        return ShuffledLocal(inner, rng, local.prob, product), metrics
+        local, metrics = nested.client_step(local._replace(inner=inner, rng=rng,
+                                                           product=product), batch, server)
+        return local, {**metrics, "shuffles": do.astype(jnp.float32)}
 
-    def client_output(local, server):
-        return algorithm.client_output(local.inner, server)
+    return nested._replace(client_init=client_init, client_step=client_step)
 
-    return algorithm._replace(client_init=client_init, client_step=client_step,
-                              client_output=client_output)
+
+def _check_shuffleable(algorithm: FederatedAlgorithm, variables: PyTree, num_classes: int,
+                       name: str) -> None:
+    # Alg. 2 permutes a local model in place: the local state must be one (params and
+    # model_state); per-client extras (control variates, previous models) would also need
+    # permuting, which no algorithm declares yet.
+    ctx = placeholder_context(num_classes)
+    server = jax.eval_shape(algorithm.server_init, variables)
+    local = jax.eval_shape(lambda s: algorithm.client_init(
+        s, algorithm.client_state_init(s), ctx), server)
+    if not (hasattr(local, "params") and hasattr(local, "model_state")):
+        raise ValueError(f"n_sf > 0 (Alg. 2) needs a local state that is a model; "
+                         f"algorithm {name!r} keeps {type(local).__name__}: set "
+                         f"shuffle.n_sf=0")
+
+
+def _wrap(algorithm: FederatedAlgorithm, build: Build) -> FederatedAlgorithm:
+    s = build.cfg.shuffle
+    _check_shuffleable(algorithm, build.variables, build.num_classes, build.cfg.algorithm)
+    spec = perm_lib.spec_for(build.model, build.variables)
+    return with_shuffling(algorithm, spec, s.p_sf, s.n_sf, s.window)
+
+
+FEATURE = FeatureEntry(
+    "shuffle",
+    options={"n_sf": 0.0, "p_sf": 0.1, "window": placeholder(float)},
+    rules={"n_sf": between(0, 1000), "p_sf": between(0, 1),
+           "window": between(0, 1, lo_open=True, optional=True)},
+    off=(("n_sf", 0),), wrap=_wrap,
+    summary="Alg. 2: shuffle hidden neurons during local training, n_sf times per round "
+            "expected, each position swapped with probability p_sf (window: the released "
+            "code's variant, swaps within floor(J window) positions of a layer of J)")

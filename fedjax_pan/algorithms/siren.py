@@ -44,11 +44,11 @@ import optax
 
 from fedjax_pan.algorithms import attacks
 from fedjax_pan.algorithms import local as local_lib
+from fedjax_pan.algorithms.aggregation import public_scorer
 from fedjax_pan.algorithms.core import (Aggregator, AlgorithmEntry, FederatedAlgorithm,
                                         tree_bytes)
 from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.engine.robust import public_scorer
-from fedjax_pan.engine.services import Services, SimState
+from fedjax_pan.engine.services import RoundDefaults, Services, SimState
 from fedjax_pan.rules import between, one_of
 from fedjax_pan.references import SIREN as SIREN_CODE, Reference
 
@@ -143,11 +143,11 @@ def penalize(penalty: np.ndarray, ids: np.ndarray, use: np.ndarray, limit: int,
     return use, penalty
 
 
-class Siren:
+class Siren(RoundDefaults):
     """Siren's server logic as an `engine.protocol.Round` on the engine's `services`."""
 
     shapes_change = False
-    handles_attacks = True  # `config.attack`'s clients are among its own
+    features = ("attack",)  # `config.attack`'s clients are among its own
 
     def __init__(self, model: nn.Module, client_tx: optax.GradientTransformation,
                  services: Services, public: Any, public_labels: Any, client_evaluate: Any,
@@ -281,16 +281,15 @@ def _no_round(model, cfg, client_tx, server_tx):
 def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformation,
                 services: Services, *, public: Any, public_labels: Any,
                 client_evaluate: Any) -> Siren:
-    """The `Siren` driver `config.siren` describes, with `config.attack`'s attackers."""
-    from fedjax_pan.algorithms import registry
+    """The `Siren` driver `config.siren` describes, with `config.attack`'s attackers
+    (`services.attack`)."""
     if client_evaluate is None:
         raise ValueError("siren's clients test on their own data: set "
                          "partition.test_fraction > 0 (the authors keep 10%)")
-    k = services.num_clients
-    classes = int(services.data.label_counts.shape[1])
-    malicious = attacks.malicious_from_config(cfg, k, registry.cohort_sampling(cfg))
-    algorithm = registry.attack_from_config(siren_clients(model, client_tx), cfg, k, classes,
-                                            malicious)
+    malicious = attacks.malicious_from_config(cfg, services.num_clients, services.sampling)
+    algorithm = siren_clients(model, client_tx)
+    if services.attack is not None:
+        algorithm = services.attack(algorithm, malicious)
     return Siren(model, client_tx, services, public, public_labels, client_evaluate,
                  malicious, cfg.siren.to_dict(), cfg.rounds, algorithm,
                  attack_start=cfg.attack.start_round)

@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, PyTree, RoundInfo,
-                                        tree_bytes)
+from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, PyTree, RoundDefaults,
+                                        RoundInfo, tree_bytes)
 from fedjax_pan.engine.services import Services
 from fedjax_pan.engine.simulation import SimState
 
@@ -34,7 +34,7 @@ __all__ = ["Groups"]
 
 
 @dataclasses.dataclass
-class Groups:
+class Groups(RoundDefaults):
     """A round over clients of several networks (module docstring); `algorithms[a]` is
     the algorithm built for `models[a]`, starting from `initial[a]`; `weights`:
     'uniform' or 'num_examples' (the aggregation weights)."""

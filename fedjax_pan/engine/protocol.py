@@ -129,53 +129,6 @@ weighted_mean = Aggregator(_mean)
 weighted_sum = Aggregator(_sum)
 
 
-def _present_sorted(x: jax.Array, present: jax.Array) -> jax.Array:
-    """`x` sorted along the client axis with absent slots (+inf) last."""
-    mask = present.reshape((-1,) + (1,) * (x.ndim - 1))
-    return jnp.sort(jnp.where(mask, x, jnp.inf), axis=0)
-
-
-def median() -> Aggregator:
-    """Coordinate-wise median over the round's clients (weights ignored, except that a
-    weight of 0 marks an absent slot; robust). Interpolates the two middle values as
-    `jnp.median` does, to the bit."""
-    def finalize(outs, weights, arrivals=None):
-        present = weights > 0
-        q = 0.5 * (jnp.sum(present).astype(jnp.float32) - 1.0)
-        low, high = jnp.floor(q), jnp.ceil(q)
-        w_high = q - low
-
-        def one(x):
-            s = _present_sorted(x, present)
-            lo, hi = s[low.astype(jnp.int32)], s[high.astype(jnp.int32)]
-            return (lo * (1.0 - w_high) + hi * w_high).astype(x.dtype)
-        return tree_map(one, outs)
-    return Aggregator(finalize, stacked=True)
-
-
-def trimmed_mean(trim: float) -> Aggregator:
-    """Coordinate-wise mean after dropping the floor(trim * n) largest and smallest of the
-    n present values (Yin et al. 2018); weights are ignored; trim in [0, 0.5)."""
-    if not 0.0 <= trim < 0.5:
-        raise ValueError(f"trimmed_mean needs trim in [0, 0.5), got {trim}")
-
-    def finalize(outs, weights, arrivals=None):
-        present = weights > 0
-        n = jnp.sum(present)
-        # floor(trim * n) for every n, in float64 on the host: no float32 rounding at
-        # multiples (0.1 * 10).
-        cut = jnp.asarray([int(trim * k) for k in range(len(present) + 1)], jnp.int32)[n]
-        index = jnp.arange(len(present))
-        kept = (index >= cut) & (index < n - cut)
-
-        def one(x):
-            s = _present_sorted(x, present)
-            mask = kept.reshape((-1,) + (1,) * (x.ndim - 1))
-            return (jnp.sum(jnp.where(mask, s, 0), axis=0) / (n - 2 * cut)).astype(x.dtype)
-        return tree_map(one, outs)
-    return Aggregator(finalize, stacked=True)
-
-
 class ModelView(NamedTuple):
     """The model a client's output stands for, and back: `to_model(server, output)` ->
     the variables the client in effect sends (its broadcast `server` plus its update, for
@@ -277,13 +230,18 @@ class Round(Protocol):
     where clients are scored on the global model; `personal_groups(state)` -> for clients
     of several networks, [(network, client ids, stacked variables)] per network, else None.
     `num_sampled`: clients a round; `shapes_change`: checkpoints restore the saved shapes
-    (a model that grows). A round that keeps records beside the run (FLChain's ledger) may
-    also define `attach(workdir, resume)`, which the training loop calls before `init`,
-    and `report(state)` -> entries the run's summary.json gains (FLChain's trust anchor).
+    (a model that grows); `features`: the config sections of cross-cutting features the
+    round applies itself (Siren puts `attack`'s malicious clients among its own; the
+    assembly refuses any other feature that is on for a driver). `attach(workdir,
+    resume)` is called before `init` (where a round keeps records beside the run:
+    FLChain's ledger, disk-held client states); `report(state)` -> entries the run's
+    summary.json gains (FLChain's trust anchor). `RoundDefaults` gives the last three
+    their empty defaults.
     """
 
     num_sampled: int
     shapes_change: bool
+    features: Tuple[str, ...]
 
     def init(self, variables: PyTree) -> Any: ...
 
@@ -294,3 +252,22 @@ class Round(Protocol):
     def personal_evaluation(self, state: Any) -> Optional[PyTree]: ...
 
     def personal_groups(self, state: Any) -> Optional[List[Tuple[Any, np.ndarray, PyTree]]]: ...
+
+    def attach(self, workdir: str, resume: bool) -> None: ...
+
+    def report(self, state: Any) -> Dict[str, Any]: ...
+
+
+class RoundDefaults:
+    """`Round`'s optional members at their defaults, for a driver to inherit: it applies
+    no feature itself, keeps nothing beside the run and reports nothing more."""
+
+    features: Tuple[str, ...] = ()
+    shapes_change: bool = False
+
+    def attach(self, workdir: str, resume: bool) -> None:
+        del workdir, resume
+
+    def report(self, state: Any) -> Dict[str, Any]:
+        del state
+        return {}

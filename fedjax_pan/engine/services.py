@@ -5,7 +5,10 @@ host; KT-pFL over several networks steps one coefficient matrix across groups). 
 that logic only and asks `Services` for the rest: which clients a round samples (from the
 seed alone), their key streams, their cohort, training them with any algorithm through
 executors built once and cached, and the round's statistics. Every number therefore
-comes out as it would from `Simulation`: same samples, batch orders and keys.
+comes out as it would from `Simulation`: same samples, batch orders and keys. What the
+run's config selects by name arrives resolved (the assembly resolves it): the server
+optimiser, the cohort sampling, and the attack that puts the config's attackers among an
+algorithm's clients; a driver never reads the registry.
 
     services = Services(client_data, local_work, participation=0.1, seed=0)
     ids = services.sample(r)
@@ -15,19 +18,20 @@ comes out as it would from `Simulation`: same samples, batch orders and keys.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Hashable, Optional
+from typing import Any, Callable, Dict, Hashable, Optional
 
 import jax
 import numpy as np
+import optax
 
 from fedjax_pan.engine.clients import ClientData, LocalWork, client_keys, real_examples
 from fedjax_pan.engine.execution import (UPLOAD_MIB, Cohort, CohortResult, make_executor,
                                          pop_upload_bytes)
-from fedjax_pan.engine.protocol import FederatedAlgorithm, PyTree
+from fedjax_pan.engine.protocol import FederatedAlgorithm, PyTree, RoundDefaults
 from fedjax_pan.engine.simulation import (SimState, clients_per_round, sample_clients,
                                           stream_keys, train_metrics, untrained)
 
-__all__ = ["Services", "SimState", "Cohort", "CohortResult"]
+__all__ = ["Services", "SimState", "Cohort", "CohortResult", "RoundDefaults"]
 
 
 @dataclasses.dataclass
@@ -40,6 +44,15 @@ class Services:
     seed: int = 0
     strategy: str = "auto"  # execution.strategy
     block_size: Optional[int] = None  # execution.block_size
+    # The server's optimiser (FedAvg's sgd(1) by default: the mean of the clients' updates).
+    server_tx: optax.GradientTransformation = optax.sgd(1.0)
+    # The run's resolved cohort sampling (simulation.SAMPLINGS), for draws that follow the
+    # run's cohorts (a per-round attackers' table); `sample` itself draws uniform cohorts,
+    # the only ones a driver runs.
+    sampling: str = "uniform"
+    # attack(algorithm, malicious): `algorithm` with the run's attackers among its clients,
+    # given their (K,) or (R, K) table; None when the run has no attack.
+    attack: Optional[Callable[[FederatedAlgorithm, np.ndarray], FederatedAlgorithm]] = None
 
     def __post_init__(self):
         self.num_clients = self.data.num_clients

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_pan.engine import store, timing
-from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, RoundInfo,
+from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, RoundDefaults, RoundInfo,
                                         placeholder_context, stacked_aggregate,
                                         stacked_entries, tree_bytes)
 from fedjax_pan.engine.clients import (ClientData, LocalWork, client_keys, real_examples,
@@ -33,7 +33,6 @@ AGGREGATIONS = ("uniform", "num_examples")
 _UNTRAINED = {"train_loss": 0.0, "real_examples": 0, "computed_examples": 0,
               "upload_bytes": 0.0, "clients": 0}
 SAMPLINGS = ("uniform", "poisson")
-_PERSONAL_CHUNK = 256  # clients whose own models are evaluated at once (states on disk)
 _DATA_STREAM, _ALGO_STREAM, _ADAPT_STREAM, _TUNE_STREAM = 1, 2, 3, 4
 
 
@@ -49,23 +48,20 @@ class SimState(NamedTuple):
     timing: Optional[timing.TimeState] = None  # simulated time, outputs in flight
 
     def saved(self) -> tuple:
-        """What a checkpoint holds (`restored` puts it back); states on disk are flushed
-        first (the checkpoint names their slots)."""
-        if isinstance(self.client_states, store.DiskStates):
-            self.client_states.files.flush()
+        """What a checkpoint holds (`restored` puts it back); the client states' store is
+        flushed first (states on disk: the checkpoint names their slots)."""
+        store.wrap(self.client_states).flush()
         base = (self.server, self.client_states)
         return base if self.timing is None else base + (self.timing,)
 
     def checkpointed(self) -> None:
-        """A checkpoint of this state was written: states on disk keep its slots."""
-        if isinstance(self.client_states, store.DiskStates):
-            self.client_states.files.protect(self.client_states.slots)
+        """A checkpoint of this state was written (states on disk keep its slots)."""
+        store.wrap(self.client_states).checkpointed()
 
     @staticmethod
     def restored(tree: tuple, round_index: int) -> "SimState":
         state = SimState(tree[0], tree[1], round_index, *tree[2:])
-        if isinstance(state.client_states, store.DiskStates):
-            state.client_states.resumed()
+        store.wrap(state.client_states).resumed()
         return state
 
 
@@ -124,7 +120,7 @@ class Tuning:
 
 
 @dataclasses.dataclass
-class Simulation:
+class Simulation(RoundDefaults):
     algorithm: FederatedAlgorithm
     data: ClientData
     work: LocalWork
@@ -158,13 +154,12 @@ class Simulation:
             raise ValueError(f"unknown place for client states {self.states_in!r}; "
                              f"expected one of {store.PLACES}")
         self._states_dir: Optional[str] = None  # disk states: a temporary folder
+        self._place: Optional[str] = None  # where `init` put the client states
         self.num_sampled = clients_per_round(self.participation, self.data.num_clients)
         self.steps = self.work.num_steps(self.data.sizes)
         self._data_key, self._algo_key = stream_keys(self.seed)
         self._server_update = jax.jit(self._aggregate_and_update)
         self._model_bytes, self._download = None, None
-        self._scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
-            lambda a, n: a.at[ids].set(n), all_, new), donate_argnums=(0,))
         adapt = getattr(self.algorithm, "personal_adapt", None)
         # Every client's model adapted on its batch; a stateless algorithm's None maps over
         # nothing, so the batches set the client axis.
@@ -193,21 +188,14 @@ class Simulation:
         return state._replace(timing=self._empty_time(server, state.client_states))
 
     def _init_states(self, server: PyTree) -> SimState:
-        one = self.algorithm.client_state_init(server)
-        if one is None:
-            return SimState(server, None, 0)
-        k = self.data.num_clients
-        place = store.place(self.states_in, k * sum(
-            np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(one)))
-        if place == "disk":
-            states = store.DiskStates.create(one, k, self._states_dir)
-        elif place == "host":
-            states = jax.tree_util.tree_map(
-                lambda x: np.repeat(np.asarray(x)[None], k, axis=0), one)
-        else:
-            states = jax.tree_util.tree_map(
-                lambda x: jnp.broadcast_to(x, (k, *np.shape(x))), one)
-        return SimState(server, states, 0)
+        states = store.create(self.states_in, self.algorithm.client_state_init(server),
+                              self.data.num_clients, self._states_dir)
+        self._place = states.place
+        return SimState(server, states.tree, 0)
+
+    def _states(self, client_states: PyTree) -> store.ClientStates:
+        """The store of a state's `client_states` (`store.wrap`)."""
+        return store.wrap(client_states, self._place)
 
     # Checkpoints restore into the shapes of `init`'s state (a driver whose model grows,
     # as FedMA's, sets this to restore the saved shapes).
@@ -222,16 +210,15 @@ class Simulation:
         return None, self.algorithm.eval_variables(server)
 
     def personal_groups(self, state: SimState):
-        """One network for every client: nothing to group (`protocol.Round`), except for
-        client states on disk: then every client's own model, `_PERSONAL_CHUNK` clients
-        at a time (all K at once need not fit in memory), as (None: the experiment's
-        network, ids, their stacked models)."""
-        states = state.client_states
-        if not isinstance(states, store.DiskStates) or not self._personal_models():
+        """One network for every client: nothing to group (`protocol.Round`), except where
+        the client states' store reads them in chunks (disk: all K at once need not fit in
+        memory): then every client's own model, a chunk of clients at a time, as (None:
+        the experiment's network, ids, their stacked models)."""
+        states = self._states(state.client_states)
+        if states.chunk is None or not self._personal_models():
             return None
-        return ((None, ids, self._personal(state, jax.tree_util.tree_map(jnp.asarray, chunk),
-                                           ids))
-                for ids, chunk in states.chunks(_PERSONAL_CHUNK))
+        return ((None, ids, self._personal(state, chunk, ids))
+                for ids, chunk in states.chunks(states.chunk))
 
     def _personal_models(self) -> bool:
         return self.tuning is not None or self._adapt is not None or (
@@ -274,9 +261,8 @@ class Simulation:
         if not self._personal_models() or (states is None and self._adapt is None
                                            and self.tuning is None):
             return None
-        if isinstance(states, store.DiskStates):
-            states = states.gather(np.arange(states.num_clients))
-        return self._personal(state, states, np.arange(self.data.num_clients))
+        return self._personal(state, self._states(states).everyone(),
+                              np.arange(self.data.num_clients))
 
     def adaptation_batches(self, round_index: int, ids: Optional[np.ndarray] = None
                            ) -> Dict[str, jax.Array]:
@@ -302,14 +288,10 @@ class Simulation:
                ids: Optional[np.ndarray] = None) -> Cohort:
         """Round `round_index`'s cohort: its sampled clients, or `ids` of them."""
         ids = self.sample(round_index) if ids is None else ids
-        states = state.client_states
-        if isinstance(states, store.DiskStates):
-            states = jax.tree_util.tree_map(jnp.asarray, states.gather(ids))
-        elif states is not None:
-            states = jax.tree_util.tree_map(lambda x: jnp.asarray(x[ids]), states)
         return Cohort(ids, self.steps[ids], self._weights(ids),
                       client_keys(self._data_key, round_index, ids),
-                      client_keys(self._algo_key, round_index, ids), states, round_index)
+                      client_keys(self._algo_key, round_index, ids),
+                      self._states(state.client_states).gather(ids), round_index)
 
     def _aggregate_and_update(self, server, outputs, weights, info):
         if self.algorithm.aggregator.stacked:
@@ -339,20 +321,7 @@ class Simulation:
 
     def _store_states(self, client_states: PyTree, ids: np.ndarray, new: PyTree) -> PyTree:
         """`client_states` with clients `ids`' rows set to `new` (stacked in `ids` order)."""
-        if client_states is None:
-            return None
-        if isinstance(client_states, store.DiskStates):
-            return client_states.scatter(ids, jax.device_get(new))
-        if isinstance(jax.tree_util.tree_leaves(client_states)[0], np.ndarray):
-            # In place, as the device path's donated scatter (a restored array may be
-            # read-only: copied once).
-            client_states = jax.tree_util.tree_map(
-                lambda a: a if a.flags.writeable else np.array(a), client_states)
-            for a, n in zip(jax.tree_util.tree_leaves(client_states),
-                            jax.tree_util.tree_leaves(new)):
-                a[ids] = np.asarray(n)
-            return client_states
-        return self._scatter(client_states, jnp.asarray(ids), new)
+        return self._states(client_states).scatter(ids, new).tree
 
     def _info(self, round_index: int, ids: np.ndarray) -> RoundInfo:
         weights = jnp.asarray(self._weights(ids), jnp.float32)
@@ -373,8 +342,7 @@ class Simulation:
 
     def round(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
         """Runs round `state.round`; returns the new state and the round's statistics."""
-        if isinstance(state.client_states, store.DiskStates):
-            state.client_states.files.next_round()
+        self._states(state.client_states).start_round()
         if self.stragglers is not None:
             return self._timed_round(state)
         return self._synchronous(state)
@@ -431,11 +399,7 @@ class Simulation:
         """Shapes of one client's in-flight entry: its output (a streaming rule: weighted),
         or for a model-space rule its model; with its scores."""
         ctx = placeholder_context(self.data.label_counts.shape[1])
-        if isinstance(client_states, store.DiskStates):
-            one_state = client_states.template()
-        else:
-            one_state = None if client_states is None else jax.tree_util.tree_map(
-                lambda x: x[0], client_states)
+        one_state = self._states(client_states).template()
 
         def entry(server, client_state):
             alg = self.algorithm

@@ -2,9 +2,20 @@
 
 `place` picks by size (`PLACES`; the config's `execution.client_states`): on the device
 while the K states take at most half its memory (accelerators report it), else in host
-memory while they take at most half of it, else on disk (`DiskStates`). The numbers are
-the same in every place; the host costs a transfer of each cohort's states per round, disk
-a read and a write of them.
+memory while they take at most half of it, else on disk. The numbers are the same in every
+place; the host costs a transfer of each cohort's states per round, disk a read and a
+write of them.
+
+Each place is a `ClientStates` (`DeviceStates`, `HostStates`, `DiskStates`; `NoStates`
+for a stateless algorithm) with one small API: `gather` a cohort's states for the
+executor, `scatter` its new ones back, and hooks for a round's start and a checkpoint's
+save and restore. `tree` is what a `SimState` holds and a checkpoint saves: the stacked
+arrays themselves on the device or the host, the `DiskStates` (a pytree whose one leaf is
+the K slot numbers) on disk; `wrap` gives back the store of such a tree.
+
+    states = create("auto", template, num_clients=100)
+    states = states.scatter(ids, new)      # new: stacked over ids
+    wrap(states.tree, states.place).gather(ids)  # the store of what a SimState holds
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import weakref
 from typing import Any, Iterator, List, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
@@ -57,6 +69,155 @@ def place(choice: str, nbytes: int) -> str:
         # CPU backends report no device memory: their "device" is host memory.
         return "host" if device else "device"
     return "disk"
+
+
+class ClientStates:
+    """K clients' persistent states in one place (module docstring). Methods that a place
+    needs no work for do nothing here."""
+
+    place: str = ""  # PLACES' name of this store
+    # Clients whose states are read at once where every client's are needed (personal
+    # evaluation); None: all K at once (they are in memory already).
+    chunk: Optional[int] = None
+
+    @property
+    def tree(self) -> PyTree:
+        """What a `SimState` holds and a checkpoint saves (`wrap` inverts it)."""
+        raise NotImplementedError
+
+    @property
+    def num_clients(self) -> int:
+        raise NotImplementedError
+
+    def gather(self, ids: np.ndarray) -> PyTree:
+        """Clients `ids`' states stacked in `ids` order, as jax arrays (the executor's)."""
+        raise NotImplementedError
+
+    def scatter(self, ids: np.ndarray, new: PyTree) -> "ClientStates":
+        """These states with clients `ids`' set to `new` (stacked in `ids` order)."""
+        raise NotImplementedError
+
+    def template(self) -> PyTree:
+        """One client's state (its shapes and dtypes)."""
+        raise NotImplementedError
+
+    def everyone(self) -> PyTree:
+        """All K clients' states stacked, where this store keeps them."""
+        raise NotImplementedError
+
+    def chunks(self, size: int) -> Iterator[Tuple[np.ndarray, PyTree]]:
+        """(ids, `gather(ids)`) over all clients, `size` at a time."""
+        for start in range(0, self.num_clients, size):
+            ids = np.arange(start, min(start + size, self.num_clients))
+            yield ids, self.gather(ids)
+
+    def start_round(self) -> None:
+        """A round begins (after the last one's state was saved, if it was)."""
+
+    def flush(self) -> None:
+        """A checkpoint is about to save `tree`."""
+
+    def checkpointed(self) -> None:
+        """A checkpoint of `tree` was written."""
+
+    def resumed(self) -> None:
+        """`tree` was restored from a checkpoint (in every process of a run)."""
+
+
+class NoStates(ClientStates):
+    """A stateless algorithm's (its `tree` is None): nothing to gather, keep or save."""
+
+    @property
+    def tree(self) -> None:
+        return None
+
+    @property
+    def num_clients(self) -> int:
+        return 0
+
+    def gather(self, ids: np.ndarray) -> None:
+        return None
+
+    def scatter(self, ids: np.ndarray, new: PyTree) -> "NoStates":
+        return self
+
+    def template(self) -> None:
+        return None
+
+    def everyone(self) -> None:
+        return None
+
+
+class _Stacked(ClientStates):
+    """States stacked over all K clients on a leading axis of each leaf (in memory)."""
+
+    def __init__(self, tree: PyTree):
+        self._tree = tree
+
+    @property
+    def tree(self) -> PyTree:
+        return self._tree
+
+    @property
+    def num_clients(self) -> int:
+        return len(jax.tree_util.tree_leaves(self._tree)[0])
+
+    def gather(self, ids: np.ndarray) -> PyTree:
+        return jax.tree_util.tree_map(lambda x: jnp.asarray(x[ids]), self._tree)
+
+    def template(self) -> PyTree:
+        return jax.tree_util.tree_map(lambda x: x[0], self._tree)
+
+    def everyone(self) -> PyTree:
+        return self._tree
+
+
+# Shared by every device store: compiled once per state layout.
+_device_scatter = jax.jit(lambda all_, ids, new: jax.tree_util.tree_map(
+    lambda a, n: a.at[ids].set(n), all_, new), donate_argnums=(0,))
+
+
+class DeviceStates(_Stacked):
+    """Jax arrays on the device; a scatter donates the arrays it replaces (updated in
+    place: a state it started from is gone after it). Arrays restored from a checkpoint
+    (host arrays) are put back on the device by the first scatter."""
+
+    place = "device"
+
+    @classmethod
+    def create(cls, template: PyTree, num_clients: int, directory: Optional[str] = None
+               ) -> "DeviceStates":
+        """Every one of `num_clients` clients holding `template` (`directory` unused)."""
+        del directory
+        return cls(jax.tree_util.tree_map(
+            lambda x: jnp.broadcast_to(x, (num_clients, *np.shape(x))), template))
+
+    def scatter(self, ids: np.ndarray, new: PyTree) -> "DeviceStates":
+        return DeviceStates(_device_scatter(self._tree, jnp.asarray(ids), new))
+
+
+class HostStates(_Stacked):
+    """NumPy arrays in host memory; a scatter writes in place, as the device's donated
+    one (the arrays a state it started from holds change with it)."""
+
+    place = "host"
+
+    @classmethod
+    def create(cls, template: PyTree, num_clients: int, directory: Optional[str] = None
+               ) -> "HostStates":
+        """Every one of `num_clients` clients holding `template` (`directory` unused)."""
+        del directory
+        return cls(jax.tree_util.tree_map(
+            lambda x: np.repeat(np.asarray(x)[None], num_clients, axis=0), template))
+
+    def scatter(self, ids: np.ndarray, new: PyTree) -> "HostStates":
+        # A restored array may be read-only (or a jax array's view): copied once.
+        tree = jax.tree_util.tree_map(
+            lambda a: a if isinstance(a, np.ndarray) and a.flags.writeable else np.array(a),
+            self._tree)
+        for a, n in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(new)):
+            a[ids] = np.asarray(n)
+        return HostStates(tree)
 
 
 class _Slots:
@@ -189,18 +350,21 @@ def _close(fds: List[int], temporary: Optional[str]) -> None:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-class DiskStates:
+class DiskStates(ClientStates):
     """K clients' persistent states on disk: client k's state is slot `slots[k]` of
     `files` (`_Slots`). Clients that never trained share slot 0, so the files grow with
-    the clients that trained, not with K. A pytree whose one leaf is `slots`: a checkpoint
-    saves K int32s, not a second copy of the states (the slots it names are kept until
-    the next checkpoint), and restores into the same files."""
+    the clients that trained, not with K. A pytree whose one leaf is `slots` (its own
+    `tree`): a checkpoint saves K int32s, not a second copy of the states (the slots it
+    names are kept until the next checkpoint), and restores into the same files."""
+
+    place = "disk"
+    chunk = 256  # all K at once need not fit in memory
 
     def __init__(self, files: _Slots, slots: np.ndarray):
         self.files, self.slots = files, slots
 
-    @staticmethod
-    def create(template: PyTree, num_clients: int, directory: Optional[str] = None
+    @classmethod
+    def create(cls, template: PyTree, num_clients: int, directory: Optional[str] = None
                ) -> "DiskStates":
         """Every one of `num_clients` clients holding `template`, in `directory` (a
         temporary folder if None)."""
@@ -208,16 +372,26 @@ class DiskStates:
         if owned:
             directory = tempfile.mkdtemp(prefix="fedjax_pan-client-states-")
         files = _Slots(directory, jax.tree_util.tree_map(np.asarray, template), owned)
-        return DiskStates(files, np.zeros(num_clients, np.int32))
+        return cls(files, np.zeros(num_clients, np.int32))
+
+    @property
+    def tree(self) -> "DiskStates":
+        return self
 
     @property
     def num_clients(self) -> int:
         return len(self.slots)
 
-    def gather(self, ids: np.ndarray) -> PyTree:
+    def read(self, ids: np.ndarray) -> PyTree:
         """Clients `ids`' states, stacked (host arrays)."""
         leaves = self.files.read(np.asarray(self.slots)[np.asarray(ids)])
         return jax.tree_util.tree_unflatten(self.files.treedef, leaves)
+
+    def gather(self, ids: np.ndarray) -> PyTree:
+        return jax.tree_util.tree_map(jnp.asarray, self.read(ids))
+
+    def everyone(self) -> PyTree:
+        return self.read(np.arange(self.num_clients))
 
     def template(self) -> PyTree:
         """One client's state as it starts (slot 0)."""
@@ -228,7 +402,7 @@ class DiskStates:
         """These states with clients `ids`' set to `new` (stacked in `ids` order), written
         to free slots: the slots this state names stay as they are."""
         ids = np.asarray(ids)
-        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(new)]
+        leaves = [np.asarray(x) for x in jax.tree_util.tree_leaves(jax.device_get(new))]
         slots = self.files.allocate(len(ids))
         self.files.write(slots, leaves)
         self.files.retire(np.asarray(self.slots)[ids])
@@ -236,11 +410,17 @@ class DiskStates:
         out[ids] = slots
         return DiskStates(self.files, out)
 
-    def chunks(self, size: int) -> Iterator[Tuple[np.ndarray, PyTree]]:
-        """(ids, their stacked states) over all clients, `size` at a time."""
-        for start in range(0, self.num_clients, size):
-            ids = np.arange(start, min(start + size, self.num_clients))
-            yield ids, self.gather(ids)
+    def start_round(self) -> None:
+        """Slots replaced before this round are free now, unless a checkpoint holds them."""
+        self.files.next_round()
+
+    def flush(self) -> None:
+        """On disk, not only in the page cache (the checkpoint names these slots)."""
+        self.files.flush()
+
+    def checkpointed(self) -> None:
+        """The checkpoint's slots are kept until the next checkpoint."""
+        self.files.protect(self.slots)
 
     def resumed(self) -> None:
         """After a restore: only the slots this state names hold states (in every process
@@ -275,3 +455,33 @@ jax.tree_util.register_pytree_node(
     # Children as given: pytree utilities pass through values of every kind (a broadcast's
     # global arrays, say); the methods read them as numpy.
     lambda files, children: DiskStates(files, children[0]))
+
+
+PLACED = {"device": DeviceStates, "host": HostStates, "disk": DiskStates}
+
+
+def create(choice: str, template: PyTree, num_clients: int,
+           directory: Optional[str] = None) -> ClientStates:
+    """Every one of `num_clients` clients holding `template` (one client's state; None:
+    a stateless algorithm's), where `place(choice, their size)` says; on disk in
+    `directory` (a temporary folder if None)."""
+    if template is None:
+        return NoStates()
+    nbytes = num_clients * sum(np.asarray(x).nbytes
+                               for x in jax.tree_util.tree_leaves(template))
+    return PLACED[place(choice, nbytes)].create(template, num_clients, directory)
+
+
+def wrap(tree: PyTree, where: Optional[str] = None) -> ClientStates:
+    """The store of a `SimState`'s client states `tree` (a `ClientStates.tree`): by what it
+    holds (None, a `DiskStates`, NumPy arrays: the host's, jax arrays: the device's), except
+    that host arrays go back to the device where `where` is 'device' (a restored
+    checkpoint's arrays, or a caller's copy)."""
+    if tree is None:
+        return NoStates()
+    if isinstance(tree, DiskStates):
+        return tree
+    leaves = jax.tree_util.tree_leaves(tree)
+    if leaves and isinstance(leaves[0], np.ndarray) and where != "device":
+        return HostStates(tree)
+    return DeviceStates(tree)
