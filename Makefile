@@ -10,7 +10,7 @@ setup:
 	@VENV=$(VENV) bash tools/setup.sh
 
 run: setup
-	$(PY) -m fedjax_pan.main --config=configs/fmnist_mlp.py:compare --workdir=$(WORKDIR) --overwrite
+	$(PY) -m fedjax_pan --config=configs/fmnist_mlp.py:compare --workdir=$(WORKDIR) --overwrite
 
 test: setup
 	$(PY) -m pytest -q -n 2 -m "not slow" $(PYTEST_ARGS)
@@ -26,13 +26,13 @@ bench: setup
 	$(PY) -m benchmarks.run --suite cpu --out runs/bench
 
 # One config on 2 local processes of 2 CPU devices each (JAX's multi-process runtime over
-# gloo) and on 1 process: the numbers must agree (`python -m fedjax_pan.launch compare`).
+# gloo) and on 1 process: the numbers must agree (`python -m fedjax_pan.run.launch compare`).
 MP_DIR ?= runs/multiprocess
 MP_CONFIG ?= configs/fmnist_mlp.py:multiprocess
 multiprocess-check: setup
-	JAX_NUM_CPU_DEVICES=2 $(PY) -m fedjax_pan.main --config=$(MP_CONFIG) --workdir=$(MP_DIR)/one_process --overwrite --noprogress
-	$(PY) -m fedjax_pan.launch --processes=2 --devices=2 -- --config=$(MP_CONFIG) --workdir=$(MP_DIR)/two_processes --overwrite --noprogress
-	$(PY) -m fedjax_pan.launch compare $(MP_DIR)/one_process $(MP_DIR)/two_processes
+	JAX_NUM_CPU_DEVICES=2 $(PY) -m fedjax_pan --config=$(MP_CONFIG) --workdir=$(MP_DIR)/one_process --overwrite --noprogress
+	$(PY) -m fedjax_pan.run.launch --processes=2 --devices=2 -- --config=$(MP_CONFIG) --workdir=$(MP_DIR)/two_processes --overwrite --noprogress
+	$(PY) -m fedjax_pan.run.launch compare $(MP_DIR)/one_process $(MP_DIR)/two_processes
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -18,7 +18,7 @@ Fashion-MNIST on a CPU.
 
 import ml_collections
 
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 SETTINGS = {"K16_R1_a0.5_E20": (16, 1.0, 0.5, 20.0), "K16_R1_a0.1_E20": (16, 1.0, 0.1, 20.0),
             "K16_R0.4_a0.5_E20": (16, 0.4, 0.5, 20.0)}

@@ -17,7 +17,7 @@ B = 64 as the PAN paper.
 
 import ml_collections
 
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 SETTINGS = {"10x3": (10, 3), "10x4": (10, 4), "10x5": (10, 5), "10x10": (10, 10),
             "20x5": (20, 5), "50x5": (50, 5), "100x5": (100, 5)}

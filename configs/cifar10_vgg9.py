@@ -10,7 +10,7 @@ Table 1 does not state H; 100 rounds are used here (`--config.rounds=` to change
 
 import ml_collections
 
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 SETTINGS = {  # (K, R, alpha, E, rounds)
     "table1_row1": (16, 1.0, 0.5, 20, 100),

@@ -20,7 +20,7 @@ Presets (`--config=configs/femnist_mlp.py:<preset>`):
 
 import ml_collections
 
-from fedjax_pan.defaults import FIG9_PRESETS, fig9_config
+from fedjax_pan.config.defaults import FIG9_PRESETS, fig9_config
 
 PRESETS = FIG9_PRESETS
 

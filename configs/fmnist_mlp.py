@@ -16,7 +16,7 @@ Presets (`--config=configs/fmnist_mlp.py:<preset>`):
 
 import ml_collections
 
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 PRESETS = ("compare", "pans_on", "pans_off", "paper", "smoke", "multiprocess")
 

@@ -24,7 +24,7 @@ rate is logged), `--config.straggler.policy=ignore`, or `--config.straggler.max_
 
 import ml_collections
 
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 PRESETS = ("compare", "sageflow", "authors", "smoke")
 DEFENCES = {

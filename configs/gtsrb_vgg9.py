@@ -14,7 +14,7 @@ Presets (`--config=configs/gtsrb_vgg9.py:<preset>`):
 
 import ml_collections
 
-from fedjax_pan.defaults import FIG9_PRESETS, fig9_config
+from fedjax_pan.config.defaults import FIG9_PRESETS, fig9_config
 
 PRESETS = FIG9_PRESETS
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from experiments import common
 from experiments.common import FLSetup, Pan
-from fedjax_pan import experiment
+from fedjax_pan.run import experiment
 from fedjax_pan.analysis import (class_agreement, diagonal_ratio, neuron_classes,
                                  neuron_representations, optimal_assignment, plot_assignment,
                                  plot_preferences, preference_vectors)

@@ -80,7 +80,7 @@ def setting_name(setting: Tuple[int, float, float, float]) -> str:
 def run_config(s: Settings, method: str, setting: Tuple[int, float, float, float],
                seed: int):
     """The library config of one run."""
-    from fedjax_pan.defaults import default_config
+    from fedjax_pan.config.defaults import default_config
 
     k, r, alpha, e = setting
     cfg = default_config()

@@ -33,7 +33,7 @@ import numpy as np
 from experiments import common
 from experiments.common import Pan
 from fedjax_pan import models
-from fedjax_pan.experiment import paired_stats
+from fedjax_pan.run.experiment import paired_stats
 
 OPTIMIZERS = {"sgd": 0.05, "adam": 3e-4}  # App. F.1's learning rates for the MLP / VGG
 

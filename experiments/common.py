@@ -14,7 +14,7 @@ Training helpers: `train_centralised` (plain SGD with optax, one jitted step, nu
 and `train_fl_run` / `global_variables` / `local_variables` (FedAvg through the library's
 checkpointed workdir, and each sampled client's local model of the next round);
 `train_run` / `train_runs` (library runs of a sweep, kept for --resume); `seed_result`
-(multi-seed scripts; their paired statistics are `fedjax_pan.experiment.paired_stats`).
+(multi-seed scripts; their paired statistics are `fedjax_pan.run.experiment.paired_stats`).
 """
 
 from __future__ import annotations
@@ -223,7 +223,8 @@ def train_run(cfg: Any, run_dir: str, ctx: Context, desc: str) -> Tuple[Dict[str
     interrupted one continues from its checkpoint. A run that diverges is an outcome to
     report, not a reason to stop the sweep: its summary holds NaNs, and `diverged.json`
     records it, so --resume keeps it as it is rather than training it again."""
-    from fedjax_pan import experiment, workdir
+    from fedjax_pan.run import experiment
+    from fedjax_pan import workdir
     from fedjax_pan.errors import TrainingDiverged
 
     nan = {"final_accuracy": float("nan"), "best_accuracy": float("nan"),
@@ -441,7 +442,7 @@ def load_data(name: str, seed: int = 0, train_limit: Optional[int] = None,
     """Dataset `name` (the library's loader, `assembly.load_dataset`) normalised, optionally
     subsampled (a seeded random subset, kept in original order)."""
     from fedjax_pan import data as data_lib
-    from fedjax_pan.assembly import load_dataset
+    from fedjax_pan.run.assembly import load_dataset
 
     ds = load_dataset(name, seed=seed, train_limit=train_limit, test_limit=test_limit)
     stats = data_lib.normalization(ds)
@@ -548,7 +549,7 @@ class FLSetup:
 
 def fl_config(setup: FLSetup, pan: Pan, seed: int):
     """The `fedjax_pan` ConfigDict of `setup` with PAN setting `pan`."""
-    from fedjax_pan.defaults import default_config
+    from fedjax_pan.config.defaults import default_config
 
     cfg = default_config()
     cfg.seed = seed
@@ -581,7 +582,7 @@ def train_fl_run(cfg: Any, run_dir: str, ctx: Context, desc: str = "FL"
     back; returns (experiment, state of the last round, info) with info
     {"train_loss": per round, "test_accuracy": final global model}.
     Raises TrainingDiverged if the run diverged."""
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from fedjax_pan.errors import TrainingDiverged
 
     cfg = cfg.copy_and_resolve_references()

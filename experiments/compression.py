@@ -6,7 +6,7 @@ and 0.25 by client, and pathological with 2 classes a client), the final accurac
 rounds it takes to reach `target` x FedAvg's final accuracy on the same split and seed
 (the table's "Conv."; accuracy is the global model's on the test set, or for the
 personalised rows the clients' own models' on their test parts), and the communication volume (bytes up and down over the whole
-run) relative to FedAvg's. Methods (`fedjax_pan.compression`, `algorithms/compressed.py`):
+run) relative to FedAvg's. Methods (`fedjax_pan.algorithms.uploads.compression`, `algorithms/uploads/compressed.py`):
 
   fedavg            dense float32 both ways
   top_k_10          the 10% largest update entries of each layer
@@ -147,7 +147,7 @@ def jobs(s: Settings, datasets: Sequence[str]) -> List[Job]:
 
 def run_config(s: Settings, job: Job):
     """The library config of one run."""
-    from fedjax_pan.defaults import default_config, set_keys
+    from fedjax_pan.config.defaults import default_config, set_keys
 
     keys = {"seed": job.seed, "rounds": s.rounds, "dataset.name": job.dataset,
             "local.epochs": float(s.epochs), "local.batch_size": s.batch_size,

@@ -72,7 +72,7 @@ PRESETS = MappingProxyType({
 
 def run_config(s: Settings, method: str, classes: int, seed: int):
     """The library config of one run."""
-    from fedjax_pan.defaults import default_config
+    from fedjax_pan.config.defaults import default_config
 
     cfg = default_config()
     cfg.seed, cfg.rounds = seed, s.rounds

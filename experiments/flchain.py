@@ -74,7 +74,7 @@ TAMPER_RUNS = ("honest", "central", "chain")
 
 def run_config(s: Settings, seed: int, **flchain: Any):
     """The library config of one FLChain run (`flchain` sets its options)."""
-    from fedjax_pan.defaults import default_config, set_keys
+    from fedjax_pan.config.defaults import default_config, set_keys
 
     keys = {"seed": seed, "algorithm": "flchain", "rounds": s.rounds,
             "dataset.name": s.dataset, "local.epochs": float(s.epochs),
@@ -115,8 +115,8 @@ def cost_configs(s: Settings, seed: int) -> List[Tuple[str, Any]]:
 def audit(run_dir: str, anchor: Optional[Dict[str, Any]] = None) -> str:
     """'verified' (against `anchor`, the run's summary's, where given), or the audit's one
     line locating the fault."""
-    from fedjax_pan import ledger
-    from fedjax_pan.algorithms import flchain_cli
+    from fedjax_pan.algorithms.robust import ledger
+    from fedjax_pan.algorithms.robust import flchain_cli
     try:
         flchain_cli.verify(run_dir, anchor=anchor)
         return "verified"

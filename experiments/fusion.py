@@ -6,7 +6,7 @@ on the other, from different initialisations (SGD, lr 0.05, momentum 0.9, B = 64
 accuracy of the interpolation (1 - mu) A + mu B' is measured for mu in [0, 1], where B' is
 
   Avg           B itself;
-  OT+Avg        B with its neurons aligned to A's (`fedjax_pan.matching.align`: exact OT
+  OT+Avg        B with its neurons aligned to A's (`fedjax_pan.pan.matching.align`: exact OT
                 between neurons, a Hungarian assignment per layer);
   PANs+Avg      B itself, both models trained with PANs (PANx, T = 1, A = 0.1);
   PANs+OT+Avg   the PAN-trained B aligned to A.
@@ -38,7 +38,8 @@ from matplotlib.figure import Figure
 
 from experiments import common
 from experiments.common import Pan
-from fedjax_pan import matching, models, permutation
+from fedjax_pan.pan import matching, permutation
+from fedjax_pan import models
 
 METHODS = ("Avg", "OT+Avg", "PANs+Avg", "PANs+OT+Avg")
 

@@ -168,8 +168,8 @@ def setting_name(skew: str, k: int) -> str:
 
 def run_config(s: Settings, skew: str, k: int, algorithm: str, seed: int):
     """The library config of one run."""
-    from fedjax_pan.defaults import default_config
-    from fedjax_pan.experiment import apply_overrides
+    from fedjax_pan.config.defaults import default_config
+    from fedjax_pan.run.experiment import apply_overrides
 
     cfg = default_config()
     mixed = algorithm == "ktpfl_mixed"

@@ -6,7 +6,7 @@ the expected number of clients a round), Poisson sampling at rate q, one local e
 updates clipped to `clip` (fixed) or adaptively (Andrew et al. 2021: from 0.1 towards the
 median update norm), Gaussian noise of std z x clip on the sum, server SGD with momentum
 0.9 (as the DP-FedAvg paper's server). Epsilon at `delta` from the RDP accountant
-(`fedjax_pan.privacy`) after every evaluated round. The rows: no clipping and no noise
+(`fedjax_pan.algorithms.uploads.privacy`) after every evaluated round. The rows: no clipping and no noise
 (FedAvg), then each noise multiplier z (z = 0: clipping alone), and z with adaptive
 clipping.
 
@@ -88,7 +88,7 @@ def jobs(s: Settings) -> List[Job]:
 
 
 def run_config(s: Settings, job: Job):
-    from fedjax_pan.defaults import default_config, set_keys
+    from fedjax_pan.config.defaults import default_config, set_keys
 
     keys = {"seed": job.seed, "rounds": s.rounds, "dataset.name": s.dataset,
             "local.epochs": float(s.epochs), "local.batch_size": s.batch_size,

@@ -25,7 +25,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from experiments import common
-from fedjax_pan import permutation
+from fedjax_pan.pan import permutation
 
 
 @dataclasses.dataclass(frozen=True)

@@ -191,7 +191,7 @@ def _krum_fits(s: Settings, share: float) -> bool:
 
 def run_config(s: Settings, job: Job):
     """The library config of one run."""
-    from fedjax_pan.defaults import default_config, set_keys
+    from fedjax_pan.config.defaults import default_config, set_keys
     from fedjax_pan.engine.simulation import clients_per_round
 
     cfg = default_config()

@@ -27,7 +27,8 @@ from matplotlib.figure import Figure
 
 from experiments import common
 from experiments.common import Pan
-from fedjax_pan import models, permutation
+from fedjax_pan import models
+from fedjax_pan.pan import permutation
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from experiments import common
-from fedjax_pan import models, permutation
+from fedjax_pan import models
+from fedjax_pan.pan import permutation
 
 KINDS = ("add", "mul")
 KIND_LABEL = {"add": "PAN+", "mul": "PANx"}

@@ -41,7 +41,7 @@ import numpy as np
 
 from experiments import common
 from experiments.common import FLSetup, Pan
-from fedjax_pan.experiment import paired_stats
+from fedjax_pan.run.experiment import paired_stats
 
 PANX = Pan("mul", 1.0, 0.1)
 

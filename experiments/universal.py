@@ -4,7 +4,7 @@ FedDyn), each with PANs off (A = 0) and on (PAN+ A = 0.05, PANx A = 0.05, PANx A
 Fashion-MNIST, the paper's MLP, K = 100 clients, R = 0.1, E = 5, B = 64, Dirichlet
 alpha = 0.1 by client, SGD lr 0.05 momentum 0.9 (the library's defaults). Every run goes
 through the library's training loop into `runs/<algorithm>_<pan>_s<seed>/` (metrics,
-summary, checkpoints; each can be continued alone with `python -m fedjax_pan.main`). Fig. 9
+summary, checkpoints; each can be continued alone with `python -m fedjax_pan`). Fig. 9
 plots, per algorithm, the best PAN setting against A = 0; here with mean and std over seeds.
 
 Presets:
@@ -72,8 +72,8 @@ def pan_name(pan: Pan) -> str:
 
 def run_config(s: Settings, algorithm: str, pan: Pan, seed: int):
     """The library config of one run."""
-    from fedjax_pan.experiment import apply_overrides
-    from fedjax_pan.defaults import default_config
+    from fedjax_pan.run.experiment import apply_overrides
+    from fedjax_pan.config.defaults import default_config
 
     cfg = default_config()
     cfg.seed = seed

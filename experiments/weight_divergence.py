@@ -36,7 +36,7 @@ import numpy as np
 from experiments import common
 from experiments.common import FLSetup, Pan
 from fedjax_pan.analysis import plot_divergence, weight_divergence
-from fedjax_pan.experiment import paired_stats
+from fedjax_pan.run.experiment import paired_stats
 
 
 @dataclasses.dataclass(frozen=True)

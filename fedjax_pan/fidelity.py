@@ -25,8 +25,10 @@ import os
 import sys
 from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from fedjax_pan import compression
-from fedjax_pan.algorithms import aggregation, attacks, dp
+from fedjax_pan.algorithms.uploads import compression
+from fedjax_pan.algorithms import aggregation
+from fedjax_pan.algorithms.robust import attacks
+from fedjax_pan.algorithms.uploads import dp
 from fedjax_pan.algorithms import registry
 from fedjax_pan.references import Reference
 

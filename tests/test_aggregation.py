@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pan import schema
+from fedjax_pan.config import schema
 from fedjax_pan.algorithms import aggregation, core
 from fedjax_pan.algorithms.aggregation import (RULES, RuleEntry, config_options, config_rules,
                                                median, trimmed_mean)
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 from fedjax_pan.engine.protocol import Aggregator
 from fedjax_pan.errors import ConfigError
 from fedjax_pan.rules import between

@@ -9,7 +9,7 @@ from conftest import PFL_LR as LR
 from conftest import PFL_SIZES as SIZES
 from conftest import max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan.algorithms import fedavg
-from fedjax_pan.algorithms.apfl import ALPHA_DECAY, apfl
+from fedjax_pan.algorithms.personal.apfl import ALPHA_DECAY, apfl
 
 
 def _run(algo, cd, variables, strategy="vmap", rounds=2):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_clients, tiny_fedavg
-from fedjax_pan import assembly, experiment
-from fedjax_pan.algorithms import attacks
+from fedjax_pan.run import assembly, experiment
+from fedjax_pan.algorithms.robust import attacks
 from fedjax_pan.algorithms.aggregation import median
 from fedjax_pan.engine import ClientData, LocalWork, Simulation, make_executor
 from fedjax_pan.errors import ConfigError

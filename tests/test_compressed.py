@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 from conftest import tiny_clients, tiny_fedavg
-from fedjax_pan import compression as comp
-from fedjax_pan import experiment
-from fedjax_pan.algorithms import compressed, features
+from fedjax_pan.algorithms.uploads import compression as comp
+from fedjax_pan.run import experiment
+from fedjax_pan.algorithms.uploads import compressed
+from fedjax_pan.algorithms import features
 from fedjax_pan.algorithms.aggregation import median
 from fedjax_pan.algorithms.core import tree_bytes
-from fedjax_pan.algorithms.pfedeff import pfedeff
-from fedjax_pan.algorithms.scaffold import scaffold
+from fedjax_pan.algorithms.personal.pfedeff import pfedeff
+from fedjax_pan.algorithms.fedavg_family.scaffold import scaffold
 from fedjax_pan.algorithms.local import client_optimizer
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 

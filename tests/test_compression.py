@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pan import compression as comp
+from fedjax_pan.algorithms.uploads import compression as comp
 
 KEY = jax.random.PRNGKey(0)
 

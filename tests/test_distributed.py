@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from conftest import ROOT, needs_fmnist
-from fedjax_pan import distributed, launch
+from fedjax_pan.engine import distributed
+from fedjax_pan.run import launch
 from fedjax_pan.errors import ConfigError
 
 CHECK = "--config=" + os.path.join(ROOT, "configs", "fmnist_mlp.py") + ":multiprocess"
@@ -112,7 +113,7 @@ def test_two_processes_give_one_process_numbers_and_resume(tmp_path):
     # more devices than cores can leave a collective waiting for a device that never
     # runs (XLA's rendezvous then aborts the process).
     one = tmp_path / "one"
-    run = subprocess.run([sys.executable, "-m", "fedjax_pan.main", CHECK, f"--workdir={one}",
+    run = subprocess.run([sys.executable, "-m", "fedjax_pan.run.main", CHECK, f"--workdir={one}",
                           "--noprogress"], cwd=ROOT, env=_env(2), capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr

@@ -11,7 +11,7 @@ from conftest import PFL_LR as LR
 from conftest import max_rel_err, pfl_setup as _setup
 from conftest import pfl_rounds
 from fedjax_pan.algorithms import fedavg
-from fedjax_pan.algorithms.ditto import ditto
+from fedjax_pan.algorithms.personal.ditto import ditto
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
 from test_personal import np_flat, np_grads, tiny_net_setup, tiny_sim
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import tiny_clients, tiny_fedavg
-from fedjax_pan import compression as comp
-from fedjax_pan import experiment, privacy
-from fedjax_pan.algorithms import dp
+from fedjax_pan.algorithms.uploads import compression as comp
+from fedjax_pan.run import experiment
+from fedjax_pan.algorithms.uploads import privacy
+from fedjax_pan.algorithms.uploads import dp
 from fedjax_pan.algorithms.core import RoundInfo
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.errors import ConfigError
@@ -193,7 +194,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="clip > 0"):
         dp.with_dp(FEDAVG, 0.0, 1.0, 3.0, seed=0)
     with pytest.raises(ConfigError, match="config.privacy.clip=1.0: DP-FedAvg releases only"):
-        from fedjax_pan import assembly
+        from fedjax_pan.run import assembly
         assembly.build(config(privacy__clip=1.0, model__norm="batch"))
     for changes, match in (
             ({"privacy__clip": 1.0, "aggregation__weights": "num_examples"}, "uniform"),

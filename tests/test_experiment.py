@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, signal_on_call
-from fedjax_pan import assembly, defaults, experiment, training
+from fedjax_pan.run import assembly, experiment, training
+from fedjax_pan.config import defaults
 from fedjax_pan.engine import count_compiles
 
 

@@ -56,7 +56,7 @@ def test_every_script_has_the_three_presets():
 
 
 def test_fl_presets_are_valid_configs():
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for module in (weight_divergence, alignment):
         for name, settings in module.PRESETS.items():
             for pan in (common.PANS_OFF, settings.pan_on):
@@ -244,7 +244,7 @@ def test_bad_arguments_give_one_error_line(tmp_path, capsys, argv, word):
 @pytest.mark.slow  # a script's smoke preset, trained end to end
 def test_universal_runs_every_algorithm_with_and_without_pans(tmp_path):
     from experiments import universal
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for preset in ("cpu", "paper"):  # every run of the long presets is a valid config
         s = universal.PRESETS[preset]
         for algorithm in s.algorithms:
@@ -270,7 +270,7 @@ def test_universal_runs_every_algorithm_with_and_without_pans(tmp_path):
 
 def test_fed2_compare_runs_and_tabulates_its_runs(tmp_path):
     from experiments import fed2_compare
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for preset in ("cpu", "paper"):  # every run of the long presets is a valid config
         s = fed2_compare.PRESETS[preset]
         for method in s.methods:
@@ -330,7 +330,7 @@ def test_fed2_compare_reports_diverged_runs_apart():
 @pytest.mark.slow  # a script's smoke preset, trained end to end
 def test_alignment_methods_runs_and_tabulates_its_runs(tmp_path):
     from experiments import alignment_methods as am
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for preset in ("cpu", "paper"):  # every run of the long presets is a valid config
         s = am.PRESETS[preset]
         for method in s.methods:
@@ -360,7 +360,7 @@ def test_alignment_methods_runs_and_tabulates_its_runs(tmp_path):
 
 def test_cifar10_alignment_config_presets_are_valid():
     import importlib.util
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     spec = importlib.util.spec_from_file_location(
         "cifar10_alignment", os.path.join(ROOT, "configs", "cifar10_alignment.py"))
     module = importlib.util.module_from_spec(spec)
@@ -495,7 +495,7 @@ def test_sweeps_pair_cells_with_their_reference(tmp_path):
 def test_a_diverged_run_is_kept_by_resume(tmp_path, monkeypatch):
     from experiments import sweeps
     from experiments.common import Context
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from fedjax_pan.errors import TrainingDiverged
     s = sweeps.PRESETS["smoke"]
     cfg = sweeps.run_config(s, s.cells[0], 0)
@@ -530,7 +530,7 @@ def test_seeds_replace_the_presets_where_a_script_runs_several(tmp_path, capsys)
 
 def test_sweeps_presets_are_valid_configs():
     from experiments import sweeps
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for name, s in sweeps.PRESETS.items():
         for cell in s.cells:
             cfg = sweeps.run_config(s, cell, seed=0)
@@ -545,7 +545,7 @@ def test_fl_through_a_workdir_equals_the_in_memory_run(tmp_path):
     s = weight_divergence.PRESETS["smoke"]
     cfg = common.fl_config(s.setup, common.PANS_ON, seed=1)
     # The reference: the library's rounds in memory, no workdir.
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     exp = experiment.build(cfg)
     state, history = experiment.train_rounds(exp, exp.simulation.init(exp.variables),
                                              cfg.rounds, progress=False)
@@ -568,7 +568,7 @@ def test_personalized_table_from_its_runs(tmp_path):
     """Every run of the long presets is a valid config; the smoke table's figures are the
     mean of each run's last 3 evaluations, and costs are relative to FedAvg's."""
     from experiments import personalized
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for preset in ("cpu", "cpu_k100", "paper", "fedala_table"):
         s = personalized.PRESETS[preset]
         for skew in s.skews:
@@ -670,7 +670,7 @@ def test_ctrl_c_while_a_curve_is_drawn_finishes_it_first(tmp_path, monkeypatch, 
     import signal as signal_lib
 
     from experiments import personalized
-    from fedjax_pan import reporting
+    from fedjax_pan.run import reporting
     out = str(tmp_path / "p")
     signal_on_call(monkeypatch, reporting, "plot_curves", signal_lib.SIGINT, 1)
     assert personalized.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 130
@@ -692,7 +692,7 @@ def test_robustness_configs_and_table_by_hand():
     """Every run of the long presets is a valid config with what its scenario names; the
     time to target and the summary are worked out by hand."""
     from experiments import robustness
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for preset in ("cpu", "paper", "smoke", "siren", "authors"):
         s = robustness.PRESETS[preset]
         for job in robustness.jobs(s):
@@ -762,7 +762,7 @@ def test_compression_configs_and_table_by_hand():
     """Every run of each preset is a valid config setting what its method names; rows and
     the summary are worked out by hand against FedAvg's run of the same split."""
     from experiments import compression
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for preset in ("cpu", "paper", "smoke"):
         s = compression.PRESETS[preset]
         for job in compression.jobs(s, s.datasets):
@@ -794,7 +794,7 @@ def test_compression_configs_and_table_by_hand():
 
 def test_privacy_configs_and_rows():
     from experiments import privacy
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for preset in ("cpu", "paper", "smoke"):
         s = privacy.PRESETS[preset]
         for job in privacy.jobs(s):
@@ -834,7 +834,7 @@ def test_compression_and_privacy_smoke_write_their_tables(tmp_path, capsys):
 
 def test_flchain_configs_and_rows():
     from experiments import flchain
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     for preset in ("cpu", "smoke"):
         s = flchain.PRESETS[preset]
         runs = flchain.tamper_configs(s, 0) + flchain.cost_configs(s, 0)

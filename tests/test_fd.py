@@ -10,7 +10,7 @@ import pytest
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.fd import fd
+from fedjax_pan.algorithms.personal.fd import fd
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.groups import Groups

@@ -9,10 +9,11 @@ import ml_collections
 import pytest
 
 from conftest import ROOT
-from fedjax_pan import schema
-from fedjax_pan.algorithms import attacks, features
+from fedjax_pan.config import schema
+from fedjax_pan.algorithms.robust import attacks
+from fedjax_pan.algorithms import features
 from fedjax_pan.algorithms.core import FeatureEntry
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 from fedjax_pan.errors import ConfigError
 from fedjax_pan.rules import between, one_of
 from test_experiment import config
@@ -77,7 +78,7 @@ def test_cross_checks_reach_the_schema_with_the_config_prefix():
 
 
 def test_drivers_refuse_features_they_do_not_apply():
-    from fedjax_pan import assembly
+    from fedjax_pan.run import assembly
     with pytest.raises(ConfigError, match=r"config\.shuffle\.n_sf is not available with "
                                           r"algorithm 'fedma'.*set shuffle\.n_sf=0"):
         assembly.build(config(algorithm="fedma", pan__amplitude=0.0, shuffle__n_sf=1.0))
@@ -85,7 +86,7 @@ def test_drivers_refuse_features_they_do_not_apply():
 
 def test_no_other_module_names_a_features_settings():
     """Outside its own module (and the features table), a feature's section is read only
-    through its entry: `cfg.attack.kind` appears in algorithms/attacks.py alone."""
+    through its entry: `cfg.attack.kind` appears in algorithms/robust/attacks.py alone."""
     own = {"shuffle": "shuffle.py", "attack": "attacks.py", "compression": "compressed.py",
            "privacy": "dp.py", "straggler": "stragglers.py"}
     # Reads that stay with their consumers: sampling's 'auto' is defined by DP's clip;

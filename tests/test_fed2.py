@@ -170,8 +170,8 @@ def test_strategies_match_the_sequential_reference(setup, strategy):
 
 
 def test_fed2_runs_from_a_config_and_needs_a_grouped_model(tmp_path):
-    from fedjax_pan import experiment
-    from fedjax_pan.defaults import default_config
+    from fedjax_pan.run import experiment
+    from fedjax_pan.config.defaults import default_config
     from fedjax_pan.errors import ConfigError
     cfg = default_config()
     cfg.dataset.name, cfg.rounds, cfg.algorithm = "synthetic", 2, "fed2"

@@ -10,8 +10,8 @@ import pytest
 from conftest import max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan.algorithms import registry
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.fedala import fedala
-from fedjax_pan.defaults import default_config
+from fedjax_pan.algorithms.personal.fedala import fedala
+from fedjax_pan.config.defaults import default_config
 
 ETA = 0.7
 
@@ -88,7 +88,7 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match=r"fedala.layers must lie in \[1, 3\].*got 9"):
         algo.client_state_init(algo.server_init(variables))
     # From a config: refused when the run is assembled, before any round (exit 2).
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from test_experiment import config
     with pytest.raises(experiment.ConfigError, match=r"^config.fedala: fedala.layers must lie "
                                                      r"in \[1, 4\] .*got 99$"):

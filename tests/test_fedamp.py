@@ -9,7 +9,7 @@ import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan.algorithms.core import ClientContext, tree_bytes
-from fedjax_pan.algorithms.fedamp import fedamp
+from fedjax_pan.algorithms.personal.fedamp import fedamp
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
 
 ALPHA, SIGMA, LAM = 0.4, 2.5, 0.3

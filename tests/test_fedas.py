@@ -11,9 +11,9 @@ import pytest
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import registry
 from fedjax_pan.algorithms.core import ClientContext, RoundInfo
-from fedjax_pan.algorithms.fedas import fedas
+from fedjax_pan.algorithms.personal.fedas import fedas
 from fedjax_pan.algorithms.local import client_optimizer
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 from fedjax_pan.models import layers
 
 ALIGN_LR = 0.2

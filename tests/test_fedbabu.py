@@ -10,9 +10,9 @@ import pytest
 from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import registry
 from fedjax_pan.algorithms.core import tree_bytes
-from fedjax_pan.algorithms.fedbabu import fedbabu
-from fedjax_pan.algorithms.finetune import fine_tuning
-from fedjax_pan.defaults import default_config
+from fedjax_pan.algorithms.personal.fedbabu import fedbabu
+from fedjax_pan.algorithms.fedavg_family.finetune import fine_tuning
+from fedjax_pan.config.defaults import default_config
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.reference import client_batches
 from fedjax_pan.engine.simulation import Tuning

@@ -10,8 +10,8 @@ import pytest
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import fedavg, registry
 from fedjax_pan.algorithms.core import RoundInfo, tree_bytes
-from fedjax_pan.algorithms.fedcac import critical_mask, fedcac
-from fedjax_pan.defaults import default_config
+from fedjax_pan.algorithms.personal.fedcac import critical_mask, fedcac
+from fedjax_pan.config.defaults import default_config
 
 
 def _np_mask(w0, w, tau):

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
-from fedjax_pan.algorithms.fedcp import (BANDWIDTHS, CPNet, ensemble_logits, fedcp, init_cs,
+from fedjax_pan.algorithms.personal.fedcp import (BANDWIDTHS, CPNet, ensemble_logits, fedcp, init_cs,
                                          mmd_rbf)
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.algorithms.local import WithFeatures
@@ -156,7 +156,7 @@ def test_bad_options_raise():
     with pytest.raises(ValueError, match="0.001"):
         fedcp(model, tx, tau=0.001)
     from fedjax_pan.algorithms import registry
-    from fedjax_pan.defaults import default_config
+    from fedjax_pan.config.defaults import default_config
     cfg = default_config()
     cfg.algorithm, cfg.fedcp.tau = "fedcp", 0.0
     with pytest.raises(ValueError, match="0.0"):

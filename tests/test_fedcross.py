@@ -11,9 +11,9 @@ from flax import traverse_util
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import fedavg, registry
 from fedjax_pan.algorithms.core import RoundInfo
-from fedjax_pan.algorithms.fedcross import STRATEGIES, collaborators, fedcross
+from fedjax_pan.algorithms.personal.fedcross import STRATEGIES, collaborators, fedcross
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 ALPHA = 0.9
 

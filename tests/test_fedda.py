@@ -10,7 +10,7 @@ import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.fedda import fedda, head_distance
+from fedjax_pan.algorithms.personal.fedda import fedda, head_distance
 from fedjax_pan.algorithms.local import WithFeatures
 
 LR, LAM = 0.1, 0.3

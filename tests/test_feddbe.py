@@ -11,9 +11,9 @@ import pytest
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import fedavg, registry
 from fedjax_pan.algorithms.core import ClientContext, tree_bytes
-from fedjax_pan.algorithms.feddbe import feddbe
+from fedjax_pan.algorithms.personal.feddbe import feddbe
 from fedjax_pan.algorithms.local import client_optimizer
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 from fedjax_pan.models import layers
 
 MOMENTUM, KAPPA, LR = 0.3, 2.0, 0.1

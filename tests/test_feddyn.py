@@ -8,10 +8,10 @@ from ml_collections import ConfigDict
 
 from conftest import max_rel_err, tiny_clients, tiny_fedavg
 from fedjax_pan.algorithms import client_optimizer, fedavg
-from fedjax_pan.algorithms.feddyn import OPTIONS, RULES, feddyn, from_config
+from fedjax_pan.algorithms.fedavg_family.feddyn import OPTIONS, RULES, feddyn, from_config
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.simulation import SimState
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 from quadratic import client_gradients, quadratic_clients, squared_loss
 from test_scaffold import SIZES, WORK, _distances, check_strategies_against_reference
 
@@ -110,7 +110,7 @@ def test_a_step_is_a_step_on_the_whole_objective():
     """The closed-form gradient of the dynamic term against autodiff of
     L_k(theta) - <g_k, theta> + alpha/2 ||theta - theta_s||^2, and the logged term's value."""
     from fedjax_pan.algorithms import local as local_lib
-    from fedjax_pan.algorithms.feddyn import FedDynLocal
+    from fedjax_pan.algorithms.fedavg_family.feddyn import FedDynLocal
     from fedjax_pan.algorithms.core import ClientContext
 
     alpha = 0.3

@@ -10,9 +10,9 @@ import pytest
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import registry
 from fedjax_pan.algorithms.core import ClientContext, tree_bytes
-from fedjax_pan.algorithms.fedfomo import fedfomo
+from fedjax_pan.algorithms.personal.fedfomo import fedfomo
 from fedjax_pan.algorithms.local import client_optimizer
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 
 class Linear(nn.Module):

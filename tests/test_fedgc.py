@@ -12,8 +12,8 @@ import pytest
 from conftest import PFL_LR, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan import models
 from fedjax_pan.algorithms import registry
-from fedjax_pan.algorithms.fedgc import UNHELD_BIAS, fedgc, regulariser
-from fedjax_pan.defaults import default_config
+from fedjax_pan.algorithms.personal.fedgc import UNHELD_BIAS, fedgc, regulariser
+from fedjax_pan.config.defaults import default_config
 from fedjax_pan.engine.reference import client_batches
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.fedgen import GENERATOR_STREAM, Generator, fedgen
+from fedjax_pan.algorithms.fedavg_family.fedgen import GENERATOR_STREAM, Generator, fedgen
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.groups import Groups
 from fedjax_pan.engine.services import Services

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
-from fedjax_pan.algorithms.fedgh import fedgh, train_head
+from fedjax_pan.algorithms.personal.fedgh import fedgh, train_head
 from fedjax_pan.algorithms.local import FEATURES
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.groups import Groups

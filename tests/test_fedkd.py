@@ -12,7 +12,7 @@ import pytest
 from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext, tree_bytes
-from fedjax_pan.algorithms.fedkd import compress_tree, energy, fedkd, svd_compress
+from fedjax_pan.algorithms.personal.fedkd import compress_tree, energy, fedkd, svd_compress
 from fedjax_pan.algorithms.local import FEATURES
 from fedjax_pan.engine.groups import Groups
 from fedjax_pan.engine.services import Services
@@ -224,7 +224,7 @@ def test_groups_of_one_network_give_the_simulations_numbers():
 
 @pytest.mark.slow
 def test_config_runs_several_networks(tmp_path):
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from test_experiment import config, metrics
     archs = "mlp(hidden=(32, 16)); mlp(hidden=(16,))"
     cfg = dict(algorithm="fedkd", model__architectures=archs, rounds=2,

@@ -10,9 +10,9 @@ import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import registry
-from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.algorithms.fedlc import calibrated_cross_entropy, calibration, fedlc
-from fedjax_pan.defaults import default_config
+from fedjax_pan.algorithms.fedavg_family.fedavg import fedavg
+from fedjax_pan.algorithms.fedavg_family.fedlc import calibrated_cross_entropy, calibration, fedlc
+from fedjax_pan.config.defaults import default_config
 from fedjax_pan.engine.reference import client_batches
 
 

@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 
 from conftest import random_variables
-from fedjax_pan import data, defaults, experiment, models
-from fedjax_pan import permutation as perm_lib
-from fedjax_pan.algorithms import client_optimizer, fedavg, fedma
+from fedjax_pan import data, models
+from fedjax_pan.config import defaults
+from fedjax_pan.run import experiment
+from fedjax_pan.pan import permutation as perm_lib
+from fedjax_pan.algorithms import client_optimizer, fedavg
+from fedjax_pan.algorithms.fedavg_family import fedma
 from fedjax_pan.algorithms import local as local_lib
 from fedjax_pan.engine import ClientData, LocalWork, Simulation, make_executor
 from fedjax_pan.engine.services import Services

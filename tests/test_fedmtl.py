@@ -12,10 +12,10 @@ from flax import traverse_util
 from conftest import PFL_LR, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import registry
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.fedmtl import (coefficients, fedmtl, other_columns, pfllib_scale,
+from fedjax_pan.algorithms.personal.fedmtl import (coefficients, fedmtl, other_columns, pfllib_scale,
                                           regularizer_value)
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 K = 6  # the pFL tests' clients
 

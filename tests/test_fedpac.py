@@ -10,7 +10,7 @@ from scipy.optimize import minimize
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms.core import ClientContext, RoundInfo
-from fedjax_pan.algorithms.fedpac import (combination_matrix, fedpac, simplex_qp,
+from fedjax_pan.algorithms.personal.fedpac import (combination_matrix, fedpac, simplex_qp,
                                           statistics)
 
 

@@ -12,7 +12,7 @@ import optax
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import RoundInfo
-from fedjax_pan.algorithms.fedpcl import contrastive_loss, fedpcl
+from fedjax_pan.algorithms.personal.fedpcl import contrastive_loss, fedpcl
 from fedjax_pan.algorithms.local import FEATURES
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.groups import Groups

@@ -9,8 +9,8 @@ import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.algorithms.fedphp import BANDWIDTHS, fedphp, mmd
+from fedjax_pan.algorithms.fedavg_family.fedavg import fedavg
+from fedjax_pan.algorithms.personal.fedphp import BANDWIDTHS, fedphp, mmd
 from fedjax_pan.algorithms.local import FEATURES
 
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.fedproto import fedproto, nearest_prototype_head, proto_loss
+from fedjax_pan.algorithms.personal.fedproto import fedproto, nearest_prototype_head, proto_loss
 from fedjax_pan.algorithms.local import FEATURES
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
@@ -226,7 +226,7 @@ def test_networks_of_several_architectures_share_prototypes():
 
 @pytest.mark.slow
 def test_config_runs_several_networks_and_refuses_them_elsewhere(tmp_path):
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from test_experiment import config, metrics
     archs = "mlp(hidden=(32, 16)); mlp(hidden=(16,))"
     with pytest.raises(experiment.ConfigError,

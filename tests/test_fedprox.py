@@ -10,7 +10,7 @@ import pytest
 
 from conftest import max_rel_err, tiny_clients, tiny_fedavg
 from fedjax_pan.algorithms import client_optimizer, fedprox
-from fedjax_pan.algorithms.fedprox import proximal_term
+from fedjax_pan.algorithms.fedavg_family.fedprox import proximal_term
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 
 SIZES = [27, 39, 19, 36, 62, 13]
@@ -71,7 +71,7 @@ def test_a_strong_proximal_term_keeps_clients_near_the_global_model(distance):
 def test_fedprox_runs_from_a_config_and_logs_its_term(tmp_path):
     import importlib.util
     from conftest import ROOT
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     spec = importlib.util.spec_from_file_location("c", os.path.join(ROOT, "configs",
                                                                     "fmnist_mlp.py"))
     module = importlib.util.module_from_spec(spec)

@@ -8,9 +8,9 @@ import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan.algorithms import registry
-from fedjax_pan.algorithms.fedrep import fedrep
+from fedjax_pan.algorithms.personal.fedrep import fedrep
 from fedjax_pan.algorithms.local import client_optimizer
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 from fedjax_pan.engine.reference import client_batches
 
 

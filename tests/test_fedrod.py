@@ -10,7 +10,7 @@ import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan import models
-from fedjax_pan.algorithms.fedrod import balanced_softmax_sum, fedrod
+from fedjax_pan.algorithms.personal.fedrod import balanced_softmax_sum, fedrod
 from fedjax_pan.engine.reference import client_batches
 
 

@@ -12,7 +12,9 @@ import pytest
 from PIL import Image
 
 from conftest import ROOT
-from fedjax_pan import data, experiment, schema
+from fedjax_pan import data
+from fedjax_pan.run import experiment
+from fedjax_pan.config import schema
 from fedjax_pan.data import files
 from fedjax_pan.data.sources import DataError
 from fedjax_pan.errors import ConfigError

@@ -10,9 +10,9 @@ import pytest
 
 from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_setup, tiny_clients
 from fedjax_pan import models
-from fedjax_pan.algorithms.ditto import ditto
-from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.algorithms.finetune import fine_tuning
+from fedjax_pan.algorithms.personal.ditto import ditto
+from fedjax_pan.algorithms.fedavg_family.fedavg import fedavg
+from fedjax_pan.algorithms.fedavg_family.finetune import fine_tuning
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.reference import reference_round
 from fedjax_pan.engine.simulation import Tuning
@@ -86,7 +86,7 @@ def test_strategies_and_the_reference_agree_and_personal_models_tune_from_their_
 
 @pytest.mark.slow
 def test_the_config_needs_a_test_part_and_a_compiled_round(tmp_path):
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from test_experiment import config, metrics
     with pytest.raises(experiment.ConfigError,
                        match=r"^config.partition.test_fraction must be > 0 with "

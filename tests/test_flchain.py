@@ -17,8 +17,9 @@ import pytest
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from fedjax_pan import experiment, ledger
-from fedjax_pan.algorithms import flchain, flchain_cli
+from fedjax_pan.run import experiment
+from fedjax_pan.algorithms.robust import ledger
+from fedjax_pan.algorithms.robust import flchain, flchain_cli
 from fedjax_pan.errors import ConfigError
 from test_experiment import ROOT, config, metrics
 
@@ -398,7 +399,7 @@ def test_command_line_arguments():
 
 
 def test_the_command_line_anchors_the_audit(honest, tmp_path, capsys):
-    """`python -m fedjax_pan.algorithms.flchain_cli`'s own code, in this process (the slow
+    """`python -m fedjax_pan.algorithms.robust.flchain_cli`'s own code, in this process (the slow
     test below runs it as a command)."""
     path, summary = honest
 
@@ -442,7 +443,7 @@ def test_the_command_line_anchors_the_audit(honest, tmp_path, capsys):
 def test_verify_from_the_command_line(honest, tmp_path):
     path, summary = honest
     run = lambda d, *args: subprocess.run(
-        [sys.executable, "-m", "fedjax_pan.algorithms.flchain_cli", d, *args],
+        [sys.executable, "-m", "fedjax_pan.algorithms.robust.flchain_cli", d, *args],
         capture_output=True, text=True, cwd=ROOT)
     ok = run(path)
     assert ok.returncode == 0, ok.stderr

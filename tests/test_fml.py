@@ -12,8 +12,8 @@ import pytest
 from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.fedavg import fedavg
-from fedjax_pan.algorithms.fml import MEME_KEY, fml, kl_divergence
+from fedjax_pan.algorithms.fedavg_family.fedavg import fedavg
+from fedjax_pan.algorithms.personal.fml import MEME_KEY, fml, kl_divergence
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
 from fedjax_pan.engine.groups import Groups
 from fedjax_pan.engine.services import Services
@@ -162,7 +162,7 @@ def test_groups_of_one_network_give_the_simulations_numbers():
 
 @pytest.mark.slow
 def test_config_runs_several_networks(tmp_path):
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from test_experiment import config, metrics
     archs = "mlp(hidden=(32, 16)); mlp(hidden=(16,))"
     cfg = dict(algorithm="fml", model__architectures=archs, rounds=2,

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.gpfl import (GNet, batch_norm2, conditional_inputs, cov_apply,
+from fedjax_pan.algorithms.personal.gpfl import (GNet, batch_norm2, conditional_inputs, cov_apply,
                                         gce_loss_sum, gpfl, init_cov)
 from fedjax_pan.algorithms.local import WithFeatures
 

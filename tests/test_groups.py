@@ -10,7 +10,7 @@ import pytest
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import Aggregator
-from fedjax_pan.algorithms.fedavg import fedavg
+from fedjax_pan.algorithms.fedavg_family.fedavg import fedavg
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.groups import Groups
 from fedjax_pan.engine.services import Services

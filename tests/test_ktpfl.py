@@ -17,7 +17,7 @@ from conftest import PFL_WORK, max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan import models
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.engine.services import Services
-from fedjax_pan.algorithms.ktpfl import (KtMixed, absorb, kl, ktpfl, parse_architectures,
+from fedjax_pan.algorithms.personal.ktpfl import (KtMixed, absorb, kl, ktpfl, parse_architectures,
                                          simplex_columns, soft_predictions,
                                          update_coefficients)
 
@@ -111,7 +111,7 @@ def test_the_server_stores_soft_predictions_and_steps_c():
 
 
 def test_the_public_set_is_held_out_of_every_client():
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from test_experiment import config
     # dataset.public_size = 0: KT-pFL's default, a fifth of these 1,000 examples (at most
     # 1,000); the smoke preset's options and a test part per client are all it needs.
@@ -238,8 +238,8 @@ def test_architecture_specs_are_parsed_and_bad_ones_named():
         with pytest.raises(ValueError, match=why):
             parse_architectures(bad)
     # Each spec is built by the config check, so bad sizes stop before any data loads.
-    from fedjax_pan import schema
-    from fedjax_pan.defaults import default_config
+    from fedjax_pan.config import schema
+    from fedjax_pan.config.defaults import default_config
     cfg = default_config()
     cfg.ktpfl.architectures = "mlp; mlp(hidden=-3)"
     with pytest.raises(schema.ConfigError, match=r"^config.ktpfl.architectures must be .*"
@@ -258,7 +258,7 @@ def _mixed_config(**changes):
 
 
 def test_more_architectures_than_clients_is_a_config_error():
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     with pytest.raises(experiment.ConfigError,
                        match="config.ktpfl: architectures lists 3 models for 2 clients"):
         experiment.build(_mixed_config(partition__num_clients=2,
@@ -270,7 +270,7 @@ def test_config_runs_mixed_networks_and_scores_each_on_its_own(tmp_path):
     """From a config: the driver runs; the logged personal accuracy is every client's own
     network on its own test part (numpy over the stored models); a bad spec names
     itself; one architecture runs as the one compiled algorithm."""
-    from fedjax_pan import assembly, experiment
+    from fedjax_pan.run import assembly, experiment
     cfg = _mixed_config(rounds=2)
     exp = experiment.build(cfg)
     assert isinstance(exp.simulation, KtMixed)
@@ -312,7 +312,7 @@ def test_config_runs_mixed_networks_and_scores_each_on_its_own(tmp_path):
 def _resumes_exactly(make_config, tmp_path):
     """3 rounds in one go against 2 + a resume to 3 (checkpoints every 2) of the config
     `make_config(**changes)` gives: equal metrics, the clients' own included; those metrics."""
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from test_experiment import metrics
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     experiment.train(make_config(rounds=3, checkpoint_every=2), full, progress=False)
@@ -351,7 +351,7 @@ def _authors_step_numpy(weight, raw, rho):
 
 
 def test_the_authors_coefficient_step_against_their_loop():
-    from fedjax_pan.algorithms.ktpfl import authors_coefficients
+    from fedjax_pan.algorithms.personal.ktpfl import authors_coefficients
     rng = np.random.default_rng(0)
     n, p, c = 4, 6, 3
     raw = rng.dirichlet(np.ones(c), size=(n, p)).astype(np.float64)
@@ -362,7 +362,7 @@ def test_the_authors_coefficient_step_against_their_loop():
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(got.sum(axis=0), 1.0, rtol=1e-5)  # each target a mixture
     # From a config: a round steps c the authors' way (columns stay distributions).
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from test_experiment import config
     exp = experiment.build(config(algorithm="ktpfl", partition__test_fraction=0.25,
                                   ktpfl__coef_update="authors"))
@@ -491,8 +491,9 @@ def test_the_server_stores_the_trained_not_the_distilled_predictions():
 
 
 def test_the_order_option_is_checked_and_picks_the_round():
-    from fedjax_pan import experiment, schema
-    from fedjax_pan.defaults import default_config
+    from fedjax_pan.run import experiment
+    from fedjax_pan.config import schema
+    from fedjax_pan.config.defaults import default_config
     from test_experiment import config
     cfg = default_config()
     assert cfg.ktpfl.order == "paper"
@@ -518,7 +519,7 @@ def _paper_config(**changes):
 def test_config_runs_in_the_paper_order_and_resumes_exactly(tmp_path):
     """The default order from a config: resumes exactly; its first round trains exactly as
     the lagged order's (same batches, keys and steps before any distillation)."""
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from test_experiment import metrics
     full = _resumes_exactly(_paper_config, tmp_path)
     lag = str(tmp_path / "lag")

@@ -10,7 +10,7 @@ import struct
 import numpy as np
 import pytest
 
-from fedjax_pan import ledger
+from fedjax_pan.algorithms.robust import ledger
 
 
 def H(data: bytes) -> bytes:

@@ -9,7 +9,7 @@ import pytest
 
 from fedjax_pan import models
 from fedjax_pan.algorithms import local
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 
 def test_client_optimizer_is_pytorch_sgd():

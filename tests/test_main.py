@@ -11,13 +11,13 @@ import time
 import pytest
 
 from conftest import ROOT, needs_fmnist, signal_on_call
-from fedjax_pan import main
+from fedjax_pan.run import main
 
 SMOKE = "--config=" + os.path.join(ROOT, "configs", "fmnist_mlp.py") + ":smoke"
 
 
 def _cli(args, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "fedjax_pan.main", *args], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "fedjax_pan.run.main", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     return out.returncode, out.stdout, out.stderr
 
@@ -88,7 +88,7 @@ def _rows(workdir):
                                         (signal.SIGTERM, 143)])
 def test_a_signal_ends_in_one_line_and_the_run_resumes_exactly(tmp_path, sig, status):
     workdir = str(tmp_path / "w")
-    args = [sys.executable, "-m", "fedjax_pan.main", *SYNTHETIC, f"--workdir={workdir}",
+    args = [sys.executable, "-m", "fedjax_pan.run.main", *SYNTHETIC, f"--workdir={workdir}",
             "--config.rounds=100000", "--config.checkpoint_every=1000"]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
@@ -128,7 +128,7 @@ def test_each_kind_of_failure_has_its_status(tmp_path, capsys, monkeypatch):
     assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.max_train_loss=0.01"]) == 3
     # Nothing was kept, so the same command runs again (and diverges again).
     assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.max_train_loss=0.01"]) == 3
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
 
     def boom(*args, **kwargs):
         raise RuntimeError("an unforeseen bug")
@@ -156,7 +156,7 @@ def test_unknown_override_keys_name_the_valid_ones(tmp_path, capsys):
 
 
 def test_ctrl_c_while_the_results_are_written_keeps_them(tmp_path, capsys, monkeypatch):
-    from fedjax_pan import reporting
+    from fedjax_pan.run import reporting
     # Arrives while the curve is being drawn.
     signal_on_call(monkeypatch, reporting, "plot_curves", signal.SIGINT, 1)
     w = tmp_path / "w"

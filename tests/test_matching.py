@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from conftest import random_init
-from fedjax_pan import matching, models
-from fedjax_pan import permutation as P
+from fedjax_pan.pan import matching
+from fedjax_pan import models
+from fedjax_pan.pan import permutation as P
 from test_permutation import _model
 
 SHAPE = (32, 32, 3)

@@ -14,7 +14,7 @@ import pytest
 from conftest import max_rel_err, random_variables, tiny_clients
 from fedjax_pan import models
 from fedjax_pan.algorithms import ClientContext, client_optimizer, fedavg
-from fedjax_pan.algorithms.moon import (ENTRY, ClientState, contrastive_loss, moon,
+from fedjax_pan.algorithms.fedavg_family.moon import (ENTRY, ClientState, contrastive_loss, moon,
                                         state_bytes)
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from fedjax_pan.engine.execution import Cohort

@@ -13,9 +13,9 @@ from flax import traverse_util
 from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_rounds, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import fedavg, registry
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.partialfed import partial_init, partialfed, strategy_noise
+from fedjax_pan.algorithms.personal.partialfed import partial_init, partialfed, strategy_noise
 from fedjax_pan.algorithms.personal import PERSONAL, partial_sharing
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 NAMES = ("fc1", "fc2", "head")  # the pFL tests' MLP, in call order
 

@@ -9,8 +9,8 @@ import pytest
 from conftest import PFL_LR, max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.algorithms import registry
-from fedjax_pan.algorithms.perfedavg import perfedavg
-from fedjax_pan.defaults import default_config
+from fedjax_pan.algorithms.personal.perfedavg import perfedavg
+from fedjax_pan.config.defaults import default_config
 from quadratic import quadratic_clients, squared_loss
 
 ALPHA, BETA = 0.1, 0.05

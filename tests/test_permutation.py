@@ -7,7 +7,7 @@ import pytest
 
 from conftest import random_init
 from fedjax_pan import models
-from fedjax_pan import permutation as P
+from fedjax_pan.pan import permutation as P
 
 SMALL = {"vgg9": {"width": 0.25}, "vgg11": {"width": 0.25}, "vgg13": {"width": 0.25},
          "vgg16": {"width": 0.25}, "resnet20": {"widths": (16, 32, 64), "stem_width": 16},

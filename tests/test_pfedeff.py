@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from conftest import max_rel_err, pfl_rounds, pfl_setup
-from fedjax_pan import compression as comp
-from fedjax_pan import experiment
+from fedjax_pan.algorithms.uploads import compression as comp
+from fedjax_pan.run import experiment
 from fedjax_pan.algorithms import fedavg
-from fedjax_pan.algorithms.pfedeff import personalised, pfedeff, prune
+from fedjax_pan.algorithms.personal.pfedeff import personalised, pfedeff, prune
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_experiment import config, metrics  # noqa: E402

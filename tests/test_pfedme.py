@@ -8,7 +8,7 @@ import pytest
 
 from conftest import PFL_LR, max_rel_err, pfl_rounds, pfl_setup
 from fedjax_pan.algorithms.core import ClientContext
-from fedjax_pan.algorithms.pfedme import pfedme
+from fedjax_pan.algorithms.personal.pfedme import pfedme
 from quadratic import quadratic_clients, squared_loss
 
 LAM, PLR, LR, K = 2.0, 0.05, 0.1, 3

@@ -49,7 +49,7 @@ def test_plot_divergence(tmp_path):
 def test_curves_fall_back_to_a_linear_loss_axis_without_a_positive_loss(tmp_path):
     import warnings
 
-    from fedjax_pan import reporting
+    from fedjax_pan.run import reporting
     rows = [{"round": r, "test_accuracy": 0.1 * r, "train_loss": loss}
             for r, loss in ((1, 0.0), (2, 0.0))]
     with warnings.catch_warnings():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from dp_accounting import NeighboringRelation, dp_event, rdp
 
-from fedjax_pan import privacy
+from fedjax_pan.algorithms.uploads import privacy
 
 
 def _reference(z, rounds, delta, event, relation):

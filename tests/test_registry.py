@@ -9,7 +9,7 @@ import pytest
 
 from conftest import PFL_LR, PFL_WORK, max_rel_err, pfl_setup, strategies_agree
 from fedjax_pan.algorithms import registry
-from fedjax_pan.defaults import default_config
+from fedjax_pan.config.defaults import default_config
 
 # FedMA, Siren and FLChain run only as their drivers (no compiled round to build).
 DRIVER_ONLY = {"fedma", "siren", "flchain"}

@@ -106,7 +106,7 @@ def test_geometric_median_of_known_sets():
 
 
 def test_rules_from_a_config_run_and_bad_ones_are_named():
-    from fedjax_pan import experiment
+    from fedjax_pan.run import experiment
     from fedjax_pan.errors import ConfigError
     from test_experiment import config
     for rule in ("multi_krum", "geometric_median"):

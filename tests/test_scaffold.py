@@ -8,8 +8,8 @@ from ml_collections import ConfigDict
 
 from conftest import max_rel_err, reference_rounds, tiny_clients, tiny_fedavg
 from fedjax_pan.algorithms import client_optimizer, fedavg
-from fedjax_pan.algorithms.scaffold import OPTIONS, RULES, from_config, scaffold
-from fedjax_pan.defaults import default_config
+from fedjax_pan.algorithms.fedavg_family.scaffold import OPTIONS, RULES, from_config, scaffold
+from fedjax_pan.config.defaults import default_config
 from fedjax_pan.engine import LocalWork, Simulation, make_executor
 from quadratic import client_gradients, quadratic_clients, squared_loss
 

@@ -14,14 +14,16 @@ import pytest
 from ml_collections.config_dict import FieldReference
 
 from conftest import ROOT, random_variables
-from fedjax_pan import defaults, main, models, schema
+from fedjax_pan.config import defaults, schema
+from fedjax_pan.run import main
+from fedjax_pan import models
 from fedjax_pan.algorithms import ClientContext, client_optimizer
-from fedjax_pan.algorithms.ditto import ditto
-from fedjax_pan.algorithms.ktpfl import soft_predictions
-from fedjax_pan.algorithms.moon import moon
+from fedjax_pan.algorithms.personal.ditto import ditto
+from fedjax_pan.algorithms.personal.ktpfl import soft_predictions
+from fedjax_pan.algorithms.fedavg_family.moon import moon
 from fedjax_pan.data.partition import partition
 from fedjax_pan.errors import ConfigError
-from fedjax_pan.matching import bbp_map
+from fedjax_pan.pan.matching import bbp_map
 from fedjax_pan.rules import Rule, between, boolean
 
 SMOKE = "--config=" + os.path.join(ROOT, "configs", "fmnist_mlp.py") + ":smoke"

@@ -7,7 +7,7 @@ import optax
 
 from conftest import max_rel_err, tiny_clients
 from fedjax_pan import models
-from fedjax_pan import permutation as P
+from fedjax_pan.pan import permutation as P
 from fedjax_pan.algorithms import ClientContext, fedavg
 from fedjax_pan.algorithms.shuffle import with_shuffling
 from fedjax_pan.engine import LocalWork, Simulation, make_executor

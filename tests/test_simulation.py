@@ -73,7 +73,7 @@ def test_client_updates_average_to_the_round_update():
 
 
 def test_client_states_on_the_host_and_on_disk_give_the_same_numbers():
-    from fedjax_pan.algorithms.scaffold import scaffold
+    from fedjax_pan.algorithms.fedavg_family.scaffold import scaffold
     from fedjax_pan.algorithms import client_optimizer
     from fedjax_pan.engine.store import DiskStates
     model, variables, _ = tiny_fedavg()
@@ -110,7 +110,7 @@ def test_a_state_saved_and_restored_in_each_place_goes_on_as_it_was(place, state
     then 2 rounds more: the run of 4 rounds in one go, bit for bit (a stateless algorithm
     too). A restored state on disk reads the slots the save named, though the run it
     came from went on in the same files."""
-    from fedjax_pan.algorithms.scaffold import scaffold
+    from fedjax_pan.algorithms.fedavg_family.scaffold import scaffold
     from fedjax_pan.algorithms import client_optimizer
     model, variables, algo = tiny_fedavg()
     if stateful:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import tiny_fedavg
-from fedjax_pan import assembly, experiment
-from fedjax_pan.algorithms import siren
+from fedjax_pan.run import assembly, experiment
+from fedjax_pan.algorithms.robust import siren
 from fedjax_pan.algorithms.core import ClientContext
 from fedjax_pan.errors import ConfigError
 

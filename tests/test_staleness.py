@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_pan import experiment
+from fedjax_pan.run import experiment
 from fedjax_pan.algorithms.aggregation import staleness
 from fedjax_pan.engine.protocol import Arrivals
 

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from fedjax_pan import experiment
+from fedjax_pan.run import experiment
 from fedjax_pan.engine import store
 from fedjax_pan.engine.store import DiskStates, _Slots
 from test_experiment import config, metrics
@@ -225,7 +225,7 @@ def test_moon_on_disk_over_many_rounds_and_checkpoints_equals_moon_in_memory():
     checkpoint every 3 rounds, against the same run with its states on the device."""
     from conftest import tiny_clients, tiny_fedavg
     from fedjax_pan.algorithms import client_optimizer
-    from fedjax_pan.algorithms.moon import moon
+    from fedjax_pan.algorithms.fedavg_family.moon import moon
     from fedjax_pan.engine import LocalWork, Simulation, make_executor
     model, variables, _ = tiny_fedavg()
     algo = moon(model, client_optimizer(0.05, 0.9), mu=1.0, tau=0.5)

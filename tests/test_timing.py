@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import tiny_clients
-from fedjax_pan import experiment
+from fedjax_pan.run import experiment
 from fedjax_pan.algorithms.aggregation import median
 from fedjax_pan.algorithms.core import FederatedAlgorithm
 from fedjax_pan.engine import LocalWork, Simulation, make_executor, timing
@@ -64,7 +64,7 @@ def test_forced_delays_go_to_the_first_free_clients_in_a_seeded_order():
     assert model.draw(1, 0, ids, no_slow, one)[5] == 0
     with pytest.raises(ValueError, match="straggler.forced"):
         timing.Stragglers(1, forced=(0, 1, 2))
-    from fedjax_pan import assembly
+    from fedjax_pan.run import assembly
     from fedjax_pan.errors import ConfigError
     with pytest.raises(ConfigError, match="straggler.forced"):
         assembly.validate(config(straggler__max_delay=1, straggler__forced=(0, 1, 2)))
@@ -208,7 +208,7 @@ def test_resume_with_outputs_in_flight_equals_an_uninterrupted_run(tmp_path):
 
 
 def test_stragglers_are_refused_where_outputs_cannot_be_left_out():
-    from fedjax_pan import assembly
+    from fedjax_pan.run import assembly
     from fedjax_pan.errors import ConfigError
     with pytest.raises(ConfigError, match="straggler.max_delay"):
         assembly.build(config(algorithm="fedma", pan__amplitude=0.0, straggler__max_delay=2,

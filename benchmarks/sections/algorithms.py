@@ -10,7 +10,7 @@ import numpy as np
 from benchmarks.harness import Log, Settings, Workload, mlp_workload, summarize, time_engine
 from fedjax_pan import models
 from fedjax_pan.algorithms import tree_bytes
-from fedjax_pan.defaults import set_keys
+from fedjax_pan.config.defaults import set_keys
 from fedjax_pan.engine import Simulation, resolve_strategy
 from fedjax_pan.models.grouped import GroupedConfig
 
@@ -21,7 +21,7 @@ def _bench_round(cfg: Any, model: Any, variables: Any, w: "Workload") -> Any:
     examples, one testing on each client's own part (Siren) the first tenth of each
     client's rows (the speed is what is measured here, not held-out accuracy)."""
     from fedjax_pan.algorithms import registry
-    from fedjax_pan.assembly import make_round
+    from fedjax_pan.run.assembly import make_round
     from fedjax_pan.engine.evaluation import make_client_evaluator
     entry = registry.ALGORITHMS[cfg.algorithm]
     public = w.data.images[:500] if entry.public else None
@@ -37,7 +37,7 @@ def _bench_round(cfg: Any, model: Any, variables: Any, w: "Workload") -> Any:
 def _bench_config(settings: Settings, w: "Workload", per_round: int) -> Any:
     """The default config with the bench's optimiser (plain momentum SGD at the bench's
     rate, no weight decay, no clipping, no warm-up), participation and seed."""
-    from fedjax_pan.defaults import default_config
+    from fedjax_pan.config.defaults import default_config
     cfg = default_config()
     cfg.seed = settings.seed
     cfg.participation = per_round / w.data.num_clients

@@ -8,7 +8,7 @@ from typing import Any, Dict
 
 from benchmarks.harness import Log, Settings, mlp_workload, summarize, time_engine
 from benchmarks.sections.algorithms import _bench_config
-from fedjax_pan.defaults import set_keys
+from fedjax_pan.config.defaults import set_keys
 
 # name -> config changes
 METHODS = {
@@ -36,7 +36,7 @@ QUICK = ("fedavg", "top_k 10%", "qsgd 16 levels", "dp clipping (z = 1)")
 def compression_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
     """Seconds per round of each of `METHODS` (`QUICK` in the quick suite) on the MLP
     bench, its ratio to FedAvg's and its bytes up and down in the round."""
-    from fedjax_pan.assembly import make_round
+    from fedjax_pan.run.assembly import make_round
 
     w = mlp_workload(settings, settings.mlp_clients)
     per_round = settings.mlp_per_round

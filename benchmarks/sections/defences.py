@@ -8,7 +8,7 @@ from typing import Any, Dict
 from benchmarks.harness import Log, Settings, mlp_workload, summarize, time_engine
 from benchmarks.sections.algorithms import _bench_config
 from fedjax_pan.algorithms import aggregation
-from fedjax_pan.defaults import set_keys
+from fedjax_pan.config.defaults import set_keys
 
 PER_ROUND = (10, 50)
 PUBLIC = aggregation.PUBLIC_SIZE  # SageFlow's and Zeno's server-side examples
@@ -33,7 +33,7 @@ def defences_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, 
     """Seconds per round (training and aggregation, no evaluation) of each rule in
     `RULES` (`QUICK` only, in the quick suite) at each cohort size of `PER_ROUND` (capped
     at the bench's clients), and its ratio to FedAvg's mean in the same cohort."""
-    from fedjax_pan.assembly import make_round
+    from fedjax_pan.run.assembly import make_round
 
     w = mlp_workload(settings, settings.mlp_clients)
     public = (w.data.images[:PUBLIC], w.data.labels[:PUBLIC])

@@ -112,7 +112,7 @@ def population_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
 
 def moon_many_clients(settings: Settings, log: Log) -> Optional[Dict[str, Any]]:
     """MOON over `moon_clients` Fashion-MNIST clients with the MLP bench network (one
-    previous model per client), run by `fedjax_pan.main` in a process of its own: its
+    previous model per client), run by `fedjax_pan.run.main` in a process of its own: its
     peak resident memory against the K previous models' size, and the disk it used."""
     if settings.moon_rounds < 1:
         return None
@@ -120,7 +120,7 @@ def moon_many_clients(settings: Settings, log: Log) -> Optional[Dict[str, Any]]:
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with tempfile.TemporaryDirectory(prefix="fedjax_pan-moon-", dir=_scratch()) as tmp:
         workdir = os.path.join(tmp, "run")
-        cmd = [sys.executable, "-m", "fedjax_pan.main",
+        cmd = [sys.executable, "-m", "fedjax_pan.run.main",
                f"--config={os.path.join(root, 'configs', 'fmnist_mlp.py')}:pans_off",
                f"--workdir={workdir}", "--noprogress", "--config.algorithm=moon",
                f"--config.partition.num_clients={k}", f"--config.participation={m / k}",

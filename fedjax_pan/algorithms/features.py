@@ -15,7 +15,9 @@ from typing import Any, Dict, Iterator, Sequence, Tuple
 
 import ml_collections
 
-from fedjax_pan.algorithms import attacks, compressed, dp, shuffle, stragglers
+from fedjax_pan.algorithms.robust import attacks
+from fedjax_pan.algorithms.uploads import compressed, dp
+from fedjax_pan.algorithms import shuffle, stragglers
 from fedjax_pan.algorithms.core import FeatureEntry
 from fedjax_pan.rules import Rule
 

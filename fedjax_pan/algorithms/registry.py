@@ -14,51 +14,51 @@ import optax
 
 from fedjax_pan.algorithms import aggregation, core
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
-from fedjax_pan.algorithms.apfl import ENTRY as APFL
-from fedjax_pan.algorithms.apple import ENTRY as APPLE
-from fedjax_pan.algorithms.ditto import ENTRY as DITTO
-from fedjax_pan.algorithms.fed2 import ENTRY as FED2
-from fedjax_pan.algorithms.fedala import ENTRY as FEDALA
-from fedjax_pan.algorithms.fedcp import ENTRY as FEDCP
-from fedjax_pan.algorithms.fedda import ENTRY as FEDDA
-from fedjax_pan.algorithms.fedpac import ENTRY as FEDPAC
-from fedjax_pan.algorithms.gpfl import ENTRY as GPFL
-from fedjax_pan.algorithms.feddbe import ENTRY as FEDDBE
-from fedjax_pan.algorithms.fedcac import ENTRY as FEDCAC
-from fedjax_pan.algorithms.fedas import ENTRY as FEDAS
-from fedjax_pan.algorithms.fedcross import ENTRY as FEDCROSS
-from fedjax_pan.algorithms.fedbabu import ENTRY as FEDBABU
-from fedjax_pan.algorithms.fedgc import ENTRY as FEDGC
-from fedjax_pan.algorithms.fedlc import ENTRY as FEDLC
-from fedjax_pan.algorithms.fedntd import ENTRY as FEDNTD
-from fedjax_pan.algorithms.fedfomo import ENTRY as FEDFOMO
-from fedjax_pan.algorithms.fedamp import ENTRY as FEDAMP
-from fedjax_pan.algorithms.fedphp import ENTRY as FEDPHP
-from fedjax_pan.algorithms.fedproto import ENTRY as FEDPROTO
-from fedjax_pan.algorithms.fd import ENTRY as FD
-from fedjax_pan.algorithms.fml import ENTRY as FML
-from fedjax_pan.algorithms.fedkd import ENTRY as FEDKD
-from fedjax_pan.algorithms.fedgh import ENTRY as FEDGH
-from fedjax_pan.algorithms.fedpcl import ENTRY as FEDPCL
-from fedjax_pan.algorithms.fedgen import ENTRY as FEDGEN
-from fedjax_pan.algorithms.fedavg import REFERENCE as FEDAVG_REFERENCE, fedavg
-from fedjax_pan.algorithms.fedmtl import ENTRY as FEDMTL
-from fedjax_pan.algorithms.feddyn import ENTRY as FEDDYN
-from fedjax_pan.algorithms.fedma import ENTRY as FEDMA
-from fedjax_pan.algorithms.flchain import ENTRY as FLCHAIN
-from fedjax_pan.algorithms.fedprox import ENTRY as FEDPROX
-from fedjax_pan.algorithms.fedrep import ENTRY as FEDREP
-from fedjax_pan.algorithms.fedrod import ENTRY as FEDROD
-from fedjax_pan.algorithms.ktpfl import ENTRY as KTPFL
+from fedjax_pan.algorithms.personal.apfl import ENTRY as APFL
+from fedjax_pan.algorithms.personal.apple import ENTRY as APPLE
+from fedjax_pan.algorithms.personal.ditto import ENTRY as DITTO
+from fedjax_pan.algorithms.fedavg_family.fed2 import ENTRY as FED2
+from fedjax_pan.algorithms.personal.fedala import ENTRY as FEDALA
+from fedjax_pan.algorithms.personal.fedcp import ENTRY as FEDCP
+from fedjax_pan.algorithms.personal.fedda import ENTRY as FEDDA
+from fedjax_pan.algorithms.personal.fedpac import ENTRY as FEDPAC
+from fedjax_pan.algorithms.personal.gpfl import ENTRY as GPFL
+from fedjax_pan.algorithms.personal.feddbe import ENTRY as FEDDBE
+from fedjax_pan.algorithms.personal.fedcac import ENTRY as FEDCAC
+from fedjax_pan.algorithms.personal.fedas import ENTRY as FEDAS
+from fedjax_pan.algorithms.personal.fedcross import ENTRY as FEDCROSS
+from fedjax_pan.algorithms.personal.fedbabu import ENTRY as FEDBABU
+from fedjax_pan.algorithms.personal.fedgc import ENTRY as FEDGC
+from fedjax_pan.algorithms.fedavg_family.fedlc import ENTRY as FEDLC
+from fedjax_pan.algorithms.fedavg_family.fedntd import ENTRY as FEDNTD
+from fedjax_pan.algorithms.personal.fedfomo import ENTRY as FEDFOMO
+from fedjax_pan.algorithms.personal.fedamp import ENTRY as FEDAMP
+from fedjax_pan.algorithms.personal.fedphp import ENTRY as FEDPHP
+from fedjax_pan.algorithms.personal.fedproto import ENTRY as FEDPROTO
+from fedjax_pan.algorithms.personal.fd import ENTRY as FD
+from fedjax_pan.algorithms.personal.fml import ENTRY as FML
+from fedjax_pan.algorithms.personal.fedkd import ENTRY as FEDKD
+from fedjax_pan.algorithms.personal.fedgh import ENTRY as FEDGH
+from fedjax_pan.algorithms.personal.fedpcl import ENTRY as FEDPCL
+from fedjax_pan.algorithms.fedavg_family.fedgen import ENTRY as FEDGEN
+from fedjax_pan.algorithms.fedavg_family.fedavg import REFERENCE as FEDAVG_REFERENCE, fedavg
+from fedjax_pan.algorithms.personal.fedmtl import ENTRY as FEDMTL
+from fedjax_pan.algorithms.fedavg_family.feddyn import ENTRY as FEDDYN
+from fedjax_pan.algorithms.fedavg_family.fedma import ENTRY as FEDMA
+from fedjax_pan.algorithms.robust.flchain import ENTRY as FLCHAIN
+from fedjax_pan.algorithms.fedavg_family.fedprox import ENTRY as FEDPROX
+from fedjax_pan.algorithms.personal.fedrep import ENTRY as FEDREP
+from fedjax_pan.algorithms.personal.fedrod import ENTRY as FEDROD
+from fedjax_pan.algorithms.personal.ktpfl import ENTRY as KTPFL
 from fedjax_pan.algorithms.local import client_optimizer
-from fedjax_pan.algorithms.moon import ENTRY as MOON
-from fedjax_pan.algorithms.partialfed import ENTRY as PARTIALFED
-from fedjax_pan.algorithms.perfedavg import ENTRY as PERFEDAVG
+from fedjax_pan.algorithms.fedavg_family.moon import ENTRY as MOON
+from fedjax_pan.algorithms.personal.partialfed import ENTRY as PARTIALFED
+from fedjax_pan.algorithms.personal.perfedavg import ENTRY as PERFEDAVG
 from fedjax_pan.algorithms.personal import ENTRIES as PERSONAL
-from fedjax_pan.algorithms.pfedeff import ENTRY as PFEDEFF
-from fedjax_pan.algorithms.pfedme import ENTRY as PFEDME
-from fedjax_pan.algorithms.scaffold import ENTRY as SCAFFOLD
-from fedjax_pan.algorithms.siren import ENTRY as SIREN
+from fedjax_pan.algorithms.personal.pfedeff import ENTRY as PFEDEFF
+from fedjax_pan.algorithms.personal.pfedme import ENTRY as PFEDME
+from fedjax_pan.algorithms.fedavg_family.scaffold import ENTRY as SCAFFOLD
+from fedjax_pan.algorithms.robust.siren import ENTRY as SIREN
 
 SERVER_OPTIMIZERS = ("sgd", "adam", "yogi")
 

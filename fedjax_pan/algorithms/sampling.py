@@ -3,7 +3,7 @@
 'uniform': round(R K) clients without replacement; 'poisson': each client independently
 with probability R (the engine's `SAMPLINGS`); 'auto': Poisson under DP-FedAvg
 (`privacy.clip > 0`; its privacy analysis samples each client independently,
-`fedjax_pan.privacy`), else uniform.
+`fedjax_pan.algorithms.uploads.privacy`), else uniform.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from typing import Any, Dict, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
-from fedjax_pan import permutation as perm_lib
+from fedjax_pan.pan import permutation as perm_lib
 from ml_collections.config_dict import placeholder
 
 from fedjax_pan.algorithms.core import Build, FeatureEntry, FederatedAlgorithm

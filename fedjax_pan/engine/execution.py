@@ -13,7 +13,7 @@ Strategies (all give the same numbers up to float32 summation order):
            examples/s against 8,996 one at a time, 2 cores), their sums added in cohort
            order;
   sharded  the vmap path with the client axis sharded over jax.devices(): over every
-           process's devices in a multi-process run (`fedjax_pan.distributed`), each
+           process's devices in a multi-process run (`fedjax_pan.engine.distributed`), each
            block's sums, new client states and stacked outputs gathered to every process;
   auto     vmap on accelerators (sharded when there are several devices); sharded in a
            multi-process run, which the other strategies refuse; on CPU, loop for

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pan.engine import distributed
 from fedjax_pan.engine import store, timing
 from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, RoundDefaults, RoundInfo,
                                         placeholder_context, stacked_aggregate,
@@ -176,7 +177,6 @@ class Simulation(RoundDefaults):
         """Client states kept on disk go in `workdir` (where process 0 of a run writes;
         the other processes keep theirs in a temporary folder)."""
         del resume  # a resumed run's checkpoint names the slots it continues from
-        from fedjax_pan import distributed
         self._states_dir = (os.path.join(workdir, store.FOLDER) if distributed.is_primary()
                             else None)
 

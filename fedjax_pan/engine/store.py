@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_pan.engine import distributed
+
 PyTree = Any
 PLACES = ("auto", "device", "host", "disk")
 FOLDER = "client_states"  # inside a run's workdir
@@ -425,7 +427,6 @@ class DiskStates(ClientStates):
     def resumed(self) -> None:
         """After a restore: only the slots this state names hold states (in every process
         of a multi-process run, from process 0's files)."""
-        from fedjax_pan import distributed
         if distributed.process_count() > 1:
             self.share_from_primary()
         else:
@@ -434,7 +435,6 @@ class DiskStates(ClientStates):
     def share_from_primary(self) -> None:
         """In a multi-process run, after a restore: every process's files hold process 0's
         contents of the slots in use (broadcast a few hundred MB at a time)."""
-        from fedjax_pan import distributed
         if distributed.process_count() == 1:
             return
         in_use = np.unique(np.concatenate([[0], np.asarray(self.slots)])).astype(np.int64)

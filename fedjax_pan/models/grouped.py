@@ -19,7 +19,7 @@ model's norm (003 Sect. 4.2).
 
 Which parameter belongs to which group is data: `group_owners` lists, per grouped leaf,
 the axis that runs over the groups and the owning group of every index along it. Feature
-paired averaging and trimming (`fedjax_pan.algorithms.fed2`) and upload accounting read it.
+paired averaging and trimming (`fedjax_pan.algorithms.fedavg_family.fed2`) and upload accounting read it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,197 @@
+"""Local multi-process runs: N processes of `fedjax_pan.run.main` on this machine.
+
+  python -m fedjax_pan.run.launch --processes=2 --devices=2 -- --config=FILE --workdir=DIR
+  python -m fedjax_pan.run.launch compare DIR_A DIR_B [--tolerance=1e-4] [--accuracy_tolerance=1e-3]
+
+The first form starts N processes joined by JAX's runtime (process 0 coordinates on
+localhost), each with `--devices` CPU devices (JAX_NUM_CPU_DEVICES) where given, and waits
+for them: process 0's output is shown, the others' is kept in a temporary folder and shown
+when one fails, and a process that fails stops the rest (they would wait on it forever).
+Its exit status is the first failure's, else 0. On a cluster, start one
+`python -m fedjax_pan ... --distributed` per host instead (README, "Running on
+several hosts").
+
+The second form compares two runs' metrics.jsonl round by round (variants included) and
+exits 1 where a number differs by more than the tolerance (relative, and absolute near 0);
+accuracies, counts over examples, by more than `accuracy_tolerance` (absolute): float32
+sums taken in another order can move an example across a decision boundary (one test
+example of 10,000 is 1e-4).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+# Metrics that measure the machine, not the training.
+_UNCOMPARED = ("seconds",)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for process 0's coordinator)."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def commands(processes: int, main_args: Sequence[str], port: int) -> List[List[str]]:
+    """The command line of each process."""
+    return [[sys.executable, "-m", "fedjax_pan.run.main", *main_args,
+             f"--coordinator=localhost:{port}", f"--num_processes={processes}",
+             f"--process_id={i}"] for i in range(processes)]
+
+
+def launch(processes: int, main_args: Sequence[str], devices: Optional[int] = None,
+           port: Optional[int] = None, poll_seconds: float = 0.2) -> int:
+    """Runs `main_args` in `processes` local processes; the first failure's exit status,
+    else 0."""
+    env = dict(os.environ)
+    if devices is not None:
+        env["JAX_NUM_CPU_DEVICES"] = str(devices)
+    logs = tempfile.mkdtemp(prefix="fedjax_pan-launch-")
+    procs: List[subprocess.Popen] = []
+    files = []
+    for i, cmd in enumerate(commands(processes, main_args, port or free_port())):
+        out = None
+        if i:
+            out = open(os.path.join(logs, f"process{i}.log"), "w")
+            files.append(out)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out,
+                                      stderr=subprocess.STDOUT if out else None))
+    status = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                status = failed[0].returncode
+                break
+            time.sleep(poll_seconds)
+        status = status or next((p.returncode for p in procs if p.returncode), 0)
+    except KeyboardInterrupt:
+        status = 130
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+    if status:
+        for i in range(1, processes):
+            path = os.path.join(logs, f"process{i}.log")
+            with open(path) as f:
+                tail = f.read()[-2000:].strip()
+            if tail:
+                print(f"--- process {i} ({path}):\n{tail}", file=sys.stderr)
+    return status
+
+
+def _rows(workdir: str) -> Dict[str, List[dict]]:
+    """{run name: metrics rows}: the workdir's own run, or each variant's."""
+    own = os.path.join(workdir, "metrics.jsonl")
+    paths = {"run": own} if os.path.isfile(own) else {
+        name: os.path.join(workdir, name, "metrics.jsonl") for name in sorted(os.listdir(workdir))
+        if os.path.isfile(os.path.join(workdir, name, "metrics.jsonl"))}
+    if not paths:
+        raise ValueError(f"{workdir!r} holds no metrics.jsonl")
+    out = {}
+    for name, path in paths.items():
+        with open(path) as f:
+            out[name] = [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def compare(a: str, b: str, tolerance: float = 1e-4, accuracy_tolerance: float = 1e-3
+            ) -> Tuple[float, List[str]]:
+    """(the largest relative difference between runs `a` and `b`'s numbers other than
+    accuracies, the differences beyond `tolerance` or, for accuracies, beyond
+    `accuracy_tolerance` (absolute), each as a line)."""
+    rows_a, rows_b = _rows(a), _rows(b)
+    problems: List[str] = []
+    if sorted(rows_a) != sorted(rows_b):
+        return math.inf, [f"runs differ: {sorted(rows_a)} vs {sorted(rows_b)}"]
+    worst = 0.0
+    for name in rows_a:
+        if len(rows_a[name]) != len(rows_b[name]):
+            problems.append(f"{name}: {len(rows_a[name])} rows vs {len(rows_b[name])}")
+            continue
+        for ra, rb in zip(rows_a[name], rows_b[name]):
+            for key in sorted(set(ra) | set(rb)):
+                if key in _UNCOMPARED:
+                    continue
+                x, y = ra.get(key), rb.get(key)
+                if not isinstance(x, (int, float)) or not isinstance(y, (int, float)):
+                    if x != y:
+                        problems.append(f"{name} round {ra.get('round')}: {key} {x!r} vs {y!r}")
+                    continue
+                if "accuracy" in key:
+                    if abs(x - y) > accuracy_tolerance:
+                        problems.append(f"{name} round {ra['round']}: {key} {x!r} vs {y!r}")
+                    continue
+                diff = abs(x - y) / max(abs(x), abs(y), 1e-3)
+                worst = max(worst, diff)
+                if diff > tolerance:
+                    problems.append(f"{name} round {ra['round']}: {key} {x!r} vs {y!r}")
+    return worst, problems
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compare"]:
+        parser = argparse.ArgumentParser(prog="python -m fedjax_pan.run.launch compare")
+        parser.add_argument("a")
+        parser.add_argument("b")
+        parser.add_argument("--tolerance", type=float, default=1e-4)
+        parser.add_argument("--accuracy_tolerance", type=float, default=1e-3)
+        args = parser.parse_args(argv[1:])
+        try:
+            worst, problems = compare(args.a, args.b, args.tolerance, args.accuracy_tolerance)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for line in problems[:20]:
+            print(line)
+        print(f"largest relative difference {worst:.3g} (tolerance {args.tolerance:g}; "
+              f"accuracies within {args.accuracy_tolerance:g} absolute): "
+              f"{'equal' if not problems else 'different'}")
+        return 1 if problems else 0
+    main_args: List[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, main_args = argv[:at], argv[at + 1:]
+    parser = argparse.ArgumentParser(prog="python -m fedjax_pan.run.launch",
+                                     usage="%(prog)s --processes=N [--devices=D] [--port=P] "
+                                           "-- MAIN_ARGS")
+    parser.add_argument("--processes", type=int, required=True)
+    parser.add_argument("--devices", type=int, default=None,
+                        help="CPU devices per process (JAX_NUM_CPU_DEVICES)")
+    parser.add_argument("--port", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.processes < 1:
+        print(f"error: --processes={args.processes} must be at least 1", file=sys.stderr)
+        return 2
+    if args.devices is not None and args.devices < 1:
+        print(f"error: --devices={args.devices} must be at least 1", file=sys.stderr)
+        return 2
+    if not main_args:
+        print("error: give fedjax_pan.run.main's arguments after --", file=sys.stderr)
+        return 2
+    return launch(args.processes, main_args, args.devices, args.port)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
