@@ -81,6 +81,11 @@ MOVED: Dict[str, str] = {
 }
 
 
+# Old command lines whose module moved and whose command moved elsewhere again:
+# `python -m fedjax_pan.ledger WORKDIR` verified a ledger, which FLChain's CLI does now.
+COMMANDS: Dict[str, str] = {"fedjax_pan.ledger": "fedjax_pan.algorithms.robust.flchain_cli"}
+
+
 class _Alias(importlib.abc.Loader):
     """Loads an old path as the module at its new path."""
 
@@ -96,8 +101,10 @@ class _Alias(importlib.abc.Loader):
         pass  # already executed under its new name
 
     def get_code(self, fullname: str):
-        # `python -m <old path>` (runpy) runs the new module's code as __main__.
-        return importlib.util.find_spec(self.new).loader.get_code(self.new)
+        # `python -m <old path>` (runpy) runs the new module's code as __main__, or the
+        # command's new module where the command moved (`COMMANDS`).
+        target = COMMANDS.get(fullname, self.new)
+        return importlib.util.find_spec(target).loader.get_code(target)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

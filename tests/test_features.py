@@ -89,10 +89,8 @@ def test_no_other_module_names_a_features_settings():
     through its entry: `cfg.attack.kind` appears in algorithms/robust/attacks.py alone."""
     own = {"shuffle": "shuffle.py", "attack": "attacks.py", "compression": "compressed.py",
            "privacy": "dp.py", "straggler": "stragglers.py"}
-    # Reads that stay with their consumers: sampling's 'auto' is defined by DP's clip;
-    # Siren's and FLChain's drivers read the attack they simulate themselves.
-    allowed = {("sampling.py", "privacy"), ("siren.py", "attack"), ("flchain.py", "attack"),
-               }
+    # One read stays with its consumer: sampling's 'auto' is defined by DP's clip.
+    allowed = {("sampling.py", "privacy")}
     found = []
     for folder, _, files in os.walk(os.path.join(ROOT, "fedjax_pan")):
         for name in files:

@@ -137,3 +137,15 @@ def test_every_old_path_names_an_existing_module():
     from fedjax_pan import _moved
     assert not [new for new in _moved.MOVED.values() if new not in MODULES]
     assert not [old for old in _moved.MOVED if old in MODULES]
+
+
+@pytest.mark.parametrize("old, says", [
+    ("fedjax_pan.ledger", "python -m fedjax_pan.algorithms.robust.flchain_cli WORKDIR"),
+    ("fedjax_pan.main", "Unknown command line flag 'bad'")])
+def test_old_command_lines_still_run_their_command(old, says):
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", old, "--bad"], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr

@@ -7,9 +7,9 @@ that state, so a wrapper names only the fields it changes.
 
 `nest_server`, `nest_client` and `nest_local` leave the functions that make the nested
 state (`server_init`, `server_update`; `client_state_init`, `client_output`; `client_init`)
-making the algorithm's: the wrapper replaces them with its own, built on the nested ones. `map_sent_model` / `map_sent_update` change what a client's
-output stands for (through the algorithm's `model_view`), as attacks, compression and
-DP-FedAvg do.
+making the algorithm's: the wrapper replaces them with its own, built on the nested ones.
+`map_sent_model` / `map_sent_update` change what a client's output stands for (through the
+algorithm's `model_view`), as attacks, compression and DP-FedAvg do.
 """
 
 from __future__ import annotations

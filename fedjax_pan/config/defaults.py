@@ -71,7 +71,8 @@ def default_config() -> ml_collections.ConfigDict:
                                              "client_states": "auto"})
     # local: also log each client's expected accuracy on a test set with its label mix.
     # finetune_epochs > 0: before each evaluation every client trains the model it is
-    # scored on for this many epochs of its own data (FedAvg-C; algorithms/fedavg_family/finetune.py).
+    # scored on for this many epochs of its own data (FedAvg-C;
+    # algorithms/fedavg_family/finetune.py).
     c.eval = ml_collections.ConfigDict({"every": 1, "batch_size": 1000, "local": False,
                                         "finetune_epochs": 0.0})
     c.checkpoint_every = 10

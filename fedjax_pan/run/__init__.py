@@ -1,1 +1,2 @@
-"""Running a config: assembly from config to round, the training loop, resuming, reports, experiments over variants, the command line and its multi-process launcher."""
+"""Running a config: assembly from config to round, the training loop, resuming, reports,
+experiments over variants, the command line and its multi-process launcher."""

@@ -15,11 +15,12 @@ How the personal model is produced: PFLlib's serverbabu.py, after the last round
 client fine-tune the whole model (clientbabu.py's `fine_tune` defaults to body and head;
 `fine_tuning_epochs` = 10, plain CE, the client's optimiser: plain SGD at its rate) from
 the global model it last received, and scores it on its own test data. The engine's
-evaluation service `eval.finetune_epochs` (algorithms/fedavg_family/finetune.py, `engine.Tuning`) does
-exactly that, from the current global model, before every evaluation, so FedBABU defines
-no `personal_variables` of its own: run it with `eval.finetune_epochs=10` and
-`partition.test_fraction > 0` for PFLlib's personalised numbers (the service tunes with
-the clients' optimiser, from a fresh state each time). Without it, clients are scored on
+evaluation service `eval.finetune_epochs` (algorithms/fedavg_family/finetune.py,
+`engine.Tuning`) does exactly that, from the current global model, before every evaluation,
+so FedBABU defines no `personal_variables` of its own: run it with
+`eval.finetune_epochs=10` and `partition.test_fraction > 0` for PFLlib's personalised
+numbers (the service tunes with the clients' optimiser, from a fresh state each time).
+Without it, clients are scored on
 the global model, as PFLlib's "Evaluate global model" during training. PFLlib tunes
 each client's own copy as it stands after the last round (the global model sent at that
 round's start, plus, for a client sampled in it, its own E epochs of body training with

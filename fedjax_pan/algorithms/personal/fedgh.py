@@ -16,9 +16,10 @@ scored with its own body and the current global head (PFLlib evaluates after han
 the head). The global head starts as a draw from the seed, the same for every network
 (PFLlib's is the first client's head module itself, not a copy, so that client's local
 training moves the global head too; here only the server's pass does). The prototype
-pass is the last round(share x steps) local steps of the round (`fedgh.collect_epochs` out of `local.epochs`, 1.0: one
-pass). The order of the server's pass is drawn from (seed, round). Outputs are (C, D)
-prototypes whatever the client's network, so clients may run several whose representations
+pass is the last round(share x steps) local steps of the round (`fedgh.collect_epochs` out
+of `local.epochs`, 1.0: one pass). The order of the server's pass is drawn from (seed,
+round). Outputs are (C, D) prototypes whatever the client's network, so clients may run
+several whose representations
 are equally wide (`model.architectures`). Each client downloads the head and uploads its
 prototypes.
 """

@@ -1,1 +1,2 @@
-"""Federated learning under adversaries and without a trusted server: malicious clients (`attacks`), Siren's proactive alarms, FLChain's ledger-kept rounds."""
+"""Federated learning under adversaries and without a trusted server: malicious clients
+(`attacks`), Siren's proactive alarms, FLChain's ledger-kept rounds."""

@@ -269,6 +269,16 @@ def with_attack(algorithm: FederatedAlgorithm, attack: Attack, malicious: np.nda
         client_output=nested.client_output if send is None else client_output)
 
 
+def start_round(cfg: Any) -> int:
+    """The round from which `config.attack`'s attackers act."""
+    return int(cfg.attack.start_round)
+
+
+def backdoor_target(cfg: Any) -> int:
+    """The label `config.attack`'s backdoor steers patterned images to."""
+    return int(cfg.attack.target)
+
+
 def from_config(algorithm: FederatedAlgorithm, cfg: Any, num_clients: int, num_classes: int,
                 sampling: str, malicious: Optional[np.ndarray] = None) -> FederatedAlgorithm:
     """`algorithm` with `config.attack`'s malicious clients; `malicious`: their table where
@@ -312,6 +322,7 @@ FEATURE = FeatureEntry(
             "the pattern and label `target`")
 
 
-__all__ = ["FEATURE", "from_config", "Attack", "ATTACKS", "DRAWS", "DATA_ATTACKS", "MODEL_ATTACKS", "DEFAULT_SCALE",
-           "PATTERN", "draw_malicious", "draw_round", "round_table", "malicious_from_config",
-           "attacking", "add_pattern", "poison_batch", "attack_params", "with_attack"]
+__all__ = ["FEATURE", "from_config", "start_round", "backdoor_target", "Attack", "ATTACKS",
+           "DRAWS", "DATA_ATTACKS", "MODEL_ATTACKS", "DEFAULT_SCALE", "PATTERN", "draw_malicious",
+           "draw_round", "round_table", "malicious_from_config", "attacking", "add_pattern",
+           "poison_batch", "attack_params", "with_attack"]

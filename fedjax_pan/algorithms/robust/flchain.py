@@ -40,9 +40,10 @@ Alg. 1's loop `while ||w(t) - w(t-1)|| > epsilon` (the slide's inequality invert
 channel whose committed model moved by <= `epsilon` has converged and stops (epsilon 0:
 only a model that did not move).
 
-Keys and the anchor (`fedjax_pan.algorithms.robust.ledger`'s docstring has the formats): every validator's
-and device's Ed25519 key is drawn from the OS's entropy when a run starts, never from the
-seed, and kept in `<workdir>/keys/keys.json` (folder 0700, file 0600; a run without a
+Keys and the anchor (`algorithms.robust.ledger`'s docstring has the formats): every
+validator's and device's Ed25519 key is drawn from the OS's entropy when a run starts,
+never from the seed, and kept in `<workdir>/keys/keys.json` (folder 0700, file 0600; a run
+without a
 workdir keeps them in memory); a resumed run loads them there and refuses to resume
 without them, or with keys its ledger's genesis did not register. The keys only sign: the
 training, the sampling and every model are the seed's alone. At the end of a run `report`
@@ -635,7 +636,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
             "weights": cfg.aggregation.weights}
     return FLChain(model, client_tx, services, cfg.flchain.to_dict(), rule, cfg.seed,
                    cfg.aggregation.bn, int(services.data.label_counts.shape[1]),
-                   int(cfg.attack.target))
+                   attacks.backdoor_target(cfg))
 
 
 def _check(cfg: Any) -> None:

@@ -292,7 +292,7 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
         algorithm = services.attack(algorithm, malicious)
     return Siren(model, client_tx, services, public, public_labels, client_evaluate,
                  malicious, cfg.siren.to_dict(), cfg.rounds, algorithm,
-                 attack_start=cfg.attack.start_round)
+                 attack_start=attacks.start_round(cfg))
 
 
 def _check(cfg: Any) -> None:

@@ -1,5 +1,6 @@
 """Compressed communication, as a wrapper over any algorithm whose output is an update or a
-model (its `model_view`), optax style (`fedjax_pan.algorithms.uploads.compression` holds the transforms).
+model (its `model_view`), optax style (`algorithms.uploads.compression` holds the
+transforms).
 
 Upload. A client's trained model w, broadcast w_s: with target 'update' it sends
 C(w - w_s) and the server reads w_s + C(w - w_s); with target 'model' it sends C(w)
@@ -309,5 +310,5 @@ FEATURE = FeatureEntry(
             "other weights an L1 term of strength mask_l1 pushes to 0 during local training")
 
 
-__all__ = ["FEATURE", "server_side", "TARGETS", "MASK_SCORES", "MaskBefore", "CompressedLocal", "CompressedClient",
-           "DownloadServer", "with_compression"]
+__all__ = ["FEATURE", "server_side", "TARGETS", "MASK_SCORES", "MaskBefore", "CompressedLocal",
+           "CompressedClient", "DownloadServer", "with_compression"]

@@ -232,7 +232,7 @@ def _wrap(algorithm: FederatedAlgorithm, build: Build) -> FederatedAlgorithm:
 
 
 def _epsilon(cfg: Any, num_clients: int) -> Dict[str, Callable[[int], float]]:
-    """Epsilon at `privacy.delta` after each evaluated round (`fedjax_pan.algorithms.uploads.privacy`)."""
+    """Epsilon at `privacy.delta` after each evaluated round (`uploads.privacy`)."""
     sampling = cohort_sampling(cfg)
     ledger = privacy.Ledger(cfg.privacy.noise_multiplier, cfg.privacy.delta, sampling,
                             num_clients, clients_per_round(cfg.participation, num_clients),
@@ -253,7 +253,8 @@ FEATURE = FeatureEntry(
     summary="DP-FedAvg (module docstring) when clip > 0: updates clipped to `clip` "
             "(adaptive: its start, moved towards the `quantile` of update norms at rate "
             "clip_lr, counting noise count_std, None: m / 20), noise multiplier z on the "
-            "sum, epsilon at `delta` logged each evaluated round (fedjax_pan.algorithms.uploads.privacy)")
+            "sum, epsilon at `delta` logged each evaluated round (algorithms/uploads/"
+            "privacy.py)")
 
 
 __all__ = ["FEATURE", "MECHANISMS", "REFERENCES", "AdaptiveClip", "DPServer", "DPLocal", "DP_SUM",
