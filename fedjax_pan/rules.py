@@ -24,6 +24,13 @@ class Rule:
     lo_open: bool = False
     hi_open: bool = False
 
+    def want(self, value: Any) -> Optional[str]:
+        """None when `value` keeps the rule (None counts where the rule is optional),
+        else what it must be ('set' for a None that is not)."""
+        if value is None:
+            return None if self.optional else "set"
+        return self.check(value)
+
 
 def _number(value: Any, integer: bool) -> Optional[str]:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -89,8 +96,6 @@ def check_options(rules: "dict[str, Rule]", name: str, **values: Any) -> None:
         rule = rules[key]
         if getattr(value, "shape", None) == () and hasattr(value, "item"):
             value = value.item()  # a NumPy or JAX scalar, as a caller may pass one
-        if value is None and rule.optional:
-            continue
-        want = "set" if value is None else rule.check(value)
+        want = rule.want(value)
         if want is not None:
             raise ValueError(f"{name}.{key} must be {want}, got {value!r}")

@@ -38,16 +38,11 @@ def _want(key: str) -> str:
     return want + (" (or unset)" if rule.optional else "")
 
 
-def _value(cfg: Any, key: str) -> Any:
-    for part in key.split("."):
-        cfg = cfg[part]
-    return cfg
-
-
 def _table(keys: Sequence[str], cfg: Any) -> List[str]:
+    defaults = dict(schema.leaves(cfg))
     rows = ["| key | default | must be |", "| --- | --- | --- |"]
     for key in keys:
-        default = _value(cfg, key)
+        default = defaults[key]
         rows.append(f"| `{key}` | `{'unset' if default is None else repr(default)}` | "
                     f"{_want(key)} |")
     return rows

@@ -148,9 +148,7 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         rule = RULES.get(key)
         if rule is None:
             raise ConfigError(unknown_key(key, list(RULES)))
-        if value is None and rule.optional:
-            continue
-        want = "set" if value is None else rule.check(value)
+        want = rule.want(value)
         if want is not None:
             raise ConfigError(f"config.{key} must be {want}, got {value!r}")
     _cross_checks(cfg)
