@@ -46,8 +46,6 @@ class Groups(RoundDefaults):
     services: Services
     weights: str = "uniform"
 
-    shapes_change = False
-
     def __post_init__(self):
         self.arch = np.asarray(self.arch, np.int64)
         n = self.services.num_clients

@@ -263,6 +263,8 @@ class RoundDefaults:
     no feature itself, keeps nothing beside the run and reports nothing more."""
 
     features: Tuple[str, ...] = ()
+    # Checkpoints restore into the shapes of `init`'s state (a driver whose model grows,
+    # as FedMA's, sets this to restore the saved shapes).
     shapes_change: bool = False
 
     def attach(self, workdir: str, resume: bool) -> None:

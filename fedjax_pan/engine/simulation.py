@@ -197,10 +197,6 @@ class Simulation(RoundDefaults):
         """The store of a state's `client_states` (`store.wrap`)."""
         return store.wrap(client_states, self._place)
 
-    # Checkpoints restore into the shapes of `init`'s state (a driver whose model grows,
-    # as FedMA's, sets this to restore the saved shapes).
-    shapes_change = False
-
     def sample(self, round_index: int) -> np.ndarray:
         return sampled_clients(self.seed, self.data.num_clients, self.participation,
                                self.sampling, round_index)

@@ -370,8 +370,6 @@ class KtMixed(RoundDefaults):
     options: Dict[str, Any] = dataclasses.field(default_factory=dict)  # ktpfl's keywords
     order: str = "lagged"  # ORDERS
 
-    shapes_change = False
-
     def __post_init__(self):
         if self.order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, got {self.order!r}")

@@ -237,8 +237,6 @@ def _nest(flat: Dict[str, np.ndarray]) -> Dict[str, Any]:
 class FLChain(RoundDefaults):
     """FLChain's channels, ledgers and consensus as an `engine.protocol.Round`."""
 
-    shapes_change = False
-
     def __init__(self, model: nn.Module, client_tx: optax.GradientTransformation,
                  services: Services, options: Dict[str, Any], rule: Dict[str, Any],
                  seed: int, bn: str, num_classes: int, backdoor_target: int = 2):

@@ -146,7 +146,6 @@ def penalize(penalty: np.ndarray, ids: np.ndarray, use: np.ndarray, limit: int,
 class Siren(RoundDefaults):
     """Siren's server logic as an `engine.protocol.Round` on the engine's `services`."""
 
-    shapes_change = False
     features = ("attack",)  # `config.attack`'s clients are among its own
 
     def __init__(self, model: nn.Module, client_tx: optax.GradientTransformation,
