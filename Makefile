@@ -4,10 +4,12 @@ PY := $(VENV)/bin/python
 WORKDIR ?= runs/fmnist_mlp_pan_compare
 PYTEST_ARGS ?=
 
-.PHONY: setup run test test-slow bench multiprocess-check clean
+.PHONY: setup run test test-slow docs bench multiprocess-check clean
+
+EXTRAS ?= test
 
 setup:
-	@VENV=$(VENV) bash tools/setup.sh
+	@VENV=$(VENV) EXTRAS=$(EXTRAS) bash tools/setup.sh
 
 run: setup
 	$(PY) -m fedjax_pan --config=configs/fmnist_mlp.py:compare --workdir=$(WORKDIR) --overwrite
@@ -16,9 +18,18 @@ test: setup
 	$(PY) -m pytest -q -n 2 -m "not slow" $(PYTEST_ARGS)
 
 # The tests marked slow: every algorithm against the sequential reference under each
-# executor, resume for every kind of client state, the benchmark suite's quick run.
+# executor, resume for every kind of client state, the benchmark suite's quick run, the
+# documentation site's build (hence the docs extra).
+test-slow: EXTRAS = test,docs
 test-slow: setup
 	$(PY) -m pytest -q -n 2 -m slow $(PYTEST_ARGS)
+
+# The documentation site: Sphinx + MyST, both notebooks executed, warnings as errors.
+docs: EXTRAS = test,docs
+docs: setup
+	rm -rf docs/api/_generated
+	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+	@echo "fedjax_pan: open docs/_build/html/index.html"
 
 bench: setup
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 \
@@ -35,4 +46,4 @@ multiprocess-check: setup
 	$(PY) -m fedjax_pan.run.launch compare $(MP_DIR)/one_process $(MP_DIR)/two_processes
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache docs/_build docs/api/_generated docs/jupyter_execute

@@ -123,8 +123,11 @@ def profile(batch: int = 64, reps: int = 20,
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=20)
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_step",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--reps", type=int, default=20,
+                        help="timed repetitions of each part (default: %(default)s)")
     parser.add_argument("--json", default="", help="also write the numbers here")
     args = parser.parse_args(argv)
     out = profile(reps=args.reps)

@@ -324,7 +324,8 @@ def startup_rows(s: ThroughputSettings, log: Log) -> Dict[str, Dict[str, Any]]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description="one start-up measurement (used by the suite)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.throughput",
+                                description="one start-up measurement (used by the suite)")
     p.add_argument("--startup", choices=("engine", "fedjax_style"), required=True)
     p.add_argument("--settings", required=True, help="ThroughputSettings as JSON")
     args = p.parse_args(argv)

@@ -1,7 +1,7 @@
 """Neuron alignment in FL on CIFAR-10 (paper 000 Tables 1-2): FedAvg, FedAvg + PANs, FedMA
 and Fed2 on VGG9, at FedMA's settings.
 
-Needs CIFAR-10 prepared for TFDS (see README) and, at these sizes, an accelerator.
+Needs CIFAR-10 prepared for TFDS (see docs/guides/data.md) and, at these sizes, an accelerator.
 Presets (`--config=configs/cifar10_alignment.py:<preset>`), (K, R, alpha, E):
   K16_R1_a0.5_E20   (16, 1.0, 0.5, 20)   Table 1 (paper: FedAvg 86.83, +PANs 88.49, FedMA 84.0,
                                          Fed2 88.29)

@@ -1,6 +1,6 @@
 """Fed2 against FedAvg on CIFAR-10 (paper 003 Tables 1-2), each with PANs off and on.
 
-Needs CIFAR-10 prepared for TFDS (see README) and, at these sizes, an accelerator.
+Needs CIFAR-10 prepared for TFDS (see docs/guides/data.md) and, at these sizes, an accelerator.
 Every preset runs four variants into `workdir/<variant>/`: `fedavg` (the plain network),
 `fed2` (G = 10 groups over the last 6 layers, GroupNorm in the grouped layers, feature
 paired averaging), and both again with PANx (T = 1, A = 0.1): `fedavg_pans`, `fed2_pans`.

@@ -1,6 +1,6 @@
 """FedAvg with VGG9 on CIFAR-10: the settings of the PAN paper's Table 1 (and Fig. 9).
 
-Needs CIFAR-10 prepared for TFDS (see README) and, at these sizes, an accelerator.
+Needs CIFAR-10 prepared for TFDS (see docs/guides/data.md) and, at these sizes, an accelerator.
 Presets (`--config=configs/cifar10_vgg9.py:<preset>`), each running PANs off vs on:
   table1_row1   K=16, R=1.0, alpha=0.5, E=20   (paper: FedAvg 86.83, +PANs 88.49)
   table1_row2   K=20, R=0.4, alpha=1.0, E=40   (paper: FedAvg 79.76, +PANs 81.94)

@@ -1,7 +1,7 @@
 """FedAvg with ResNet20 on CINIC-10: the PAN paper's Fig. 9 panel.
 
 Needs CINIC-10's release files, given with `--config.dataset.data_dir=<dir>` (or
-$FEDJAX_PAN_CINIC10_DIR; see README, Data), and at full size (90,000 training images,
+$FEDJAX_PAN_CINIC10_DIR; see docs/guides/data.md), and at full size (90,000 training images,
 ResNet20 at widths 64/128/256, H = 1000) an accelerator. Setting (paper Sect. 5, App. C):
 train split only (the paper does not use valid), K = 100 clients, Dirichlet alpha = 0.1
 (`dirichlet_by_client`, the authors' split), R = 0.1, E = 5, B = 64, SGD lr 0.1 (ResNet).

@@ -1,7 +1,7 @@
 """FedAvg with the paper's MLP on FEMNIST, one client per writer: the PAN paper's Fig. 9 panel.
 
 Needs LEAF's FEMNIST JSON files, given with `--config.dataset.data_dir=<dir>` (or
-$FEDJAX_PAN_FEMNIST_DIR; see README, Data), and at full size (about 65k training images,
+$FEDJAX_PAN_FEMNIST_DIR; see docs/guides/data.md), and at full size (about 65k training images,
 H = 1000) an accelerator. The paper's protocol (App. C) is the loader's: 10% of the writers
 (data seed 0, whatever `seed`), 20% of each writer's samples form the global test set, and
 the clients are the sampled writers (`partition.scheme='natural'`); R = 0.1, E = 5, B = 10,

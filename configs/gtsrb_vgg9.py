@@ -1,7 +1,7 @@
 """FedAvg with VGG9 on GTSRB: the PAN paper's Fig. 9 setting (its GTSRB panel is Supp. Fig. 24).
 
 Needs GTSRB's official release files, given with `--config.dataset.data_dir=<dir>` (or
-$FEDJAX_PAN_GTSRB_DIR; see README, Data), and at full size (39,209 training images resized
+$FEDJAX_PAN_GTSRB_DIR; see docs/guides/data.md), and at full size (39,209 training images resized
 to 32x32, H = 1000) an accelerator. Setting (paper Sect. 5, App. C): K = 100 clients,
 Dirichlet alpha = 0.1 (`dirichlet_by_client`, the authors' split), R = 0.1, E = 5, B = 64,
 SGD lr 0.05. The paper notes FL on GTSRB is unstable and some algorithms converge slowly.

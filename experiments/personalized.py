@@ -81,7 +81,7 @@ BABU_FINETUNE_EPOCHS = 10.0
 # FedPCL, FedPAC's prototypes) average uniformly over the clients holding a class; here
 # one switch sets both. Every published row of these tables ran 'uniform'; FedAvg
 # weighted by size scored 68.65 (pat) and 79.53 (dir) at K = 20 against uniform's 63.16
-# and 79.52 (one check run each, README), so the choice moves rows: it is kept whole.
+# and 79.52 (one check run each, docs/results/personalised.md), so the choice moves rows: it is kept whole.
 WEIGHTS = "uniform"
 # Paper 001's FedALA table (Table 2: test accuracy %, mean over its runs): its methods in
 # its order, its columns, and its numbers, beside which ours on Fashion-MNIST go.

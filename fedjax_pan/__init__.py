@@ -24,5 +24,5 @@ from fedjax_pan import models
 from fedjax_pan import pan
 from fedjax_pan.pan import permutation
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = ["data", "models", "pan", "permutation", "__version__"]

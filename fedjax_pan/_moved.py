@@ -1,6 +1,6 @@
 """Import paths of modules that moved when the package was grouped into layer folders:
 each old path still imports (with a DeprecationWarning) the module at its new path, the
-same module object, for one release (0.2 drops them). `python -m <old path>` runs too."""
+same module object, through the 0.2 series (0.3 drops them). `python -m <old path>` runs too."""
 
 from __future__ import annotations
 
@@ -93,12 +93,16 @@ class _Alias(importlib.abc.Loader):
         self.new = new
 
     def create_module(self, spec):
-        warnings.warn(f"{spec.name} moved to {self.new}; the old path goes in 0.2",
+        warnings.warn(f"{spec.name} moved to {self.new}; the old path goes in 0.3",
                       DeprecationWarning, stacklevel=3)
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
 
     def exec_module(self, module) -> None:
-        pass  # already executed under its new name
+        # Already executed under its new name; the import system has just set its __spec__
+        # to the old path's, which would send a later find_spec of the new path here.
+        module.__spec__ = self.spec
 
     def get_code(self, fullname: str):
         # `python -m <old path>` (runpy) runs the new module's code as __main__, or the

@@ -152,13 +152,16 @@ def table(tests_dir: str = TESTS) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Prints the table, or with --write writes docs/FIDELITY.md; anything else is one
-    error line and exit 2."""
+    """Prints the table, or with --write writes docs/FIDELITY.md, or with --help (-h) what
+    it does; anything else is one error line and exit 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    usage = (f"usage: python -m fedjax_pan.fidelity [--write] (prints the fidelity table, or "
+             f"writes {os.path.relpath(DOC, ROOT)})")
+    if "--help" in argv or "-h" in argv:
+        print(f"{usage}\n\n{__doc__ or ''}".rstrip())
+        return 0
     if argv not in ([], ["--write"]):
-        print(f"error: unexpected arguments {argv}; usage: python -m fedjax_pan.fidelity "
-              f"[--write] (prints the fidelity table, or writes "
-              f"{os.path.relpath(DOC, ROOT)})", file=sys.stderr)
+        print(f"error: unexpected arguments {argv}; {usage}", file=sys.stderr)
         return 2
     text = table()
     if not argv:

@@ -431,7 +431,9 @@ def test_the_command_line_anchors_the_audit(honest, tmp_path, capsys):
     assert f"block {ROUNDS} of channel 0 is missing" in err
     code, _, err = run(path, "--validators", "sha256:" + "0" * 64)
     assert code == 1 and "not the expected validators'" in err
-    for args in ([str(tmp_path / "none")], [], [path, path], ["--help"],
+    code, out, _ = run(path, "--help")
+    assert code == 0 and out.startswith("usage: python -m fedjax_pan.algorithms.robust.flchain_cli")
+    for args in ([str(tmp_path / "none")], [], [path, path], ["--bad"],
                  [path, "--anchor", str(tmp_path / "none.json")], [path, "--anchor"],
                  [path, "--validators", "nothing"]):
         code, _, err = run(*args)

@@ -23,8 +23,8 @@ LAYERS = (
     ("fedjax_pan.data", "fedjax_pan.models"),
     ("fedjax_pan.engine",),
     ("fedjax_pan.algorithms",),
-    ("fedjax_pan.config",),
-    ("fedjax_pan.run", "fedjax_pan.analysis", "fedjax_pan.fidelity"),
+    ("fedjax_pan.config", "fedjax_pan.fidelity"),
+    ("fedjax_pan.run", "fedjax_pan.analysis"),
     ("fedjax_pan", "fedjax_pan.__main__"),
 )
 

@@ -81,8 +81,9 @@ def test_training_a_cohort_equals_the_simulations_round():
     assert own["real_examples"] == stats["real_examples"]
 
 
-# The README's example of a driver: server logic that inspects every client's update before
-# aggregating (here it drops the largest update), written on the engine's services only.
+# The example of a driver in docs/guides/writing.md: server logic that inspects every
+# client's update before aggregating (here it drops the largest update), written on the
+# engine's services only.
 
 @dataclasses.dataclass
 class DropLargest(RoundDefaults):

@@ -1,24 +1,38 @@
 #!/usr/bin/env bash
-# Creates the virtual environment (pinned by requirements.lock) and installs the
-# Fashion-MNIST IDX files. Idempotent: a finished step is not redone.
+# Creates the virtual environment (pinned by requirements.lock) with the extras in $EXTRAS
+# (default: test; `make docs` and `make test-slow` add docs) and installs the Fashion-MNIST
+# IDX files. Idempotent: a finished step is not redone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${VENV:-.venv}"
 PYTHON="${PYTHON:-python3}"
+EXTRAS="${EXTRAS:-test}"
 STAMP="$VENV/.installed"
 LOG="$VENV/install.log"
 
-if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements.lock -nt "$STAMP" ]; then
+# The stamp lists the extras installed: asking for one it lacks installs again.
+missing_extra() {
+  local extra
+  for extra in ${EXTRAS//,/ }; do
+    grep -qx "$extra" "$STAMP" 2>/dev/null || return 0
+  done
+  return 1
+}
+
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ] || [ requirements.lock -nt "$STAMP" ] \
+    || missing_extra; then
+  # Keep what was installed before: `make docs` after `make test` installs test and docs.
+  EXTRAS="$(printf '%s\n' ${EXTRAS//,/ } $(cat "$STAMP" 2>/dev/null) | sort -u | paste -sd, -)"
   echo "fedjax_pan: creating $VENV and installing dependencies (about a minute)..."
   start=$(date +%s)
   "$PYTHON" -m venv "$VENV"
   mkdir -p "$VENV"
-  if ! "$VENV/bin/python" -m pip install --disable-pip-version-check -c requirements.lock -e '.[test]' >"$LOG" 2>&1; then
+  if ! "$VENV/bin/python" -m pip install --disable-pip-version-check -c requirements.lock -e ".[$EXTRAS]" >"$LOG" 2>&1; then
     tail -n 30 "$LOG" >&2
     echo "fedjax_pan: dependency installation failed; full log in $LOG" >&2
     exit 1
   fi
-  touch "$STAMP"
+  printf '%s\n' ${EXTRAS//,/ } > "$STAMP"
   echo "fedjax_pan: environment ready in $(( $(date +%s) - start )) s"
 fi
 

@@ -88,9 +88,12 @@ def page() -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    usage = "usage: python -m fedjax_pan.config.document [--write]"
+    if "--help" in argv or "-h" in argv:
+        print(f"{usage}\n\n{__doc__ or ''}".rstrip())
+        return 0
     if argv not in ([], ["--write"]):
-        print(f"error: unexpected arguments {argv}; usage: python -m "
-              f"fedjax_pan.config.document [--write]", file=sys.stderr)
+        print(f"error: unexpected arguments {argv}; {usage}", file=sys.stderr)
         return 2
     text = page()
     if argv:

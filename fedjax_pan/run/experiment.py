@@ -1,12 +1,13 @@
 """Config-driven runs: a config (or each of its variants) trained into a workdir.
 
 A workdir receives `config.json`, `metrics.jsonl` (one object per evaluated round),
-`summary.json`, `curve.png` and orbax checkpoints under `checkpoints/`. A config with
-`variants` (name -> {dotted.key: value}) runs each variant into `workdir/<name>/` and
-writes a comparison (`comparison.json`, `comparison.csv`, `curves.png`). The pieces live by
-job: `assembly` (config to runnable round), `training` (the loop), `resume` (workdir
-checks), `reporting` (summaries, curves, paired statistics); this module runs variants
-and gathers their names.
+TensorBoard event files of the same rows (`tensorboard`), `summary.json`, `curve.png` and
+orbax checkpoints under `checkpoints/`. A config with `variants` (name -> {dotted.key:
+value}) runs each variant into `workdir/<name>/` and writes a comparison
+(`comparison.json`, `comparison.csv`, `curves.png`). The pieces live by job: `assembly`
+(config to runnable round), `training` (the loop), `resume` (workdir checks), `reporting`
+(summaries, curves, paired statistics), `tensorboard` (event files); this module runs
+variants and gathers their names.
 """
 
 from __future__ import annotations

@@ -8,8 +8,7 @@ localhost), each with `--devices` CPU devices (JAX_NUM_CPU_DEVICES) where given,
 for them: process 0's output is shown, the others' is kept in a temporary folder and shown
 when one fails, and a process that fails stops the rest (they would wait on it forever).
 Its exit status is the first failure's, else 0. On a cluster, start one
-`python -m fedjax_pan ... --distributed` per host instead (README, "Running on
-several hosts").
+`python -m fedjax_pan ... --distributed` per host instead (docs/guides/hosts.md).
 
 The second form compares two runs' metrics.jsonl round by round (variants included) and
 exits 1 where a number differs by more than the tolerance (relative, and absolute near 0);
@@ -152,11 +151,19 @@ def compare(a: str, b: str, tolerance: float = 1e-4, accuracy_tolerance: float =
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["compare"]:
-        parser = argparse.ArgumentParser(prog="python -m fedjax_pan.run.launch compare")
-        parser.add_argument("a")
-        parser.add_argument("b")
-        parser.add_argument("--tolerance", type=float, default=1e-4)
-        parser.add_argument("--accuracy_tolerance", type=float, default=1e-3)
+        parser = argparse.ArgumentParser(
+            prog="python -m fedjax_pan.run.launch compare",
+            description="Compares two runs' metrics.jsonl round by round (variants "
+                        "included); exits 1 where a number differs by more than the "
+                        "tolerance, 2 where a run cannot be read.")
+        parser.add_argument("a", metavar="DIR_A", help="one run's workdir")
+        parser.add_argument("b", metavar="DIR_B", help="the other run's workdir")
+        parser.add_argument("--tolerance", type=float, default=1e-4,
+                            help="relative difference allowed (absolute near 0; default "
+                                 "%(default)g)")
+        parser.add_argument("--accuracy_tolerance", type=float, default=1e-3,
+                            help="absolute difference allowed in accuracies (default "
+                                 "%(default)g)")
         args = parser.parse_args(argv[1:])
         try:
             worst, problems = compare(args.a, args.b, args.tolerance, args.accuracy_tolerance)
@@ -175,11 +182,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         argv, main_args = argv[:at], argv[at + 1:]
     parser = argparse.ArgumentParser(prog="python -m fedjax_pan.run.launch",
                                      usage="%(prog)s --processes=N [--devices=D] [--port=P] "
-                                           "-- MAIN_ARGS")
-    parser.add_argument("--processes", type=int, required=True)
+                                           "-- MAIN_ARGS\n       %(prog)s compare DIR_A DIR_B "
+                                           "[--tolerance=T] [--accuracy_tolerance=T]",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, required=True, help="processes to start")
     parser.add_argument("--devices", type=int, default=None,
                         help="CPU devices per process (JAX_NUM_CPU_DEVICES)")
-    parser.add_argument("--port", type=int, default=None)
+    parser.add_argument("--port", type=int, default=None,
+                        help="process 0's coordinator port (default: a free one)")
     args = parser.parse_args(argv)
     if args.processes < 1:
         print(f"error: --processes={args.processes} must be at least 1", file=sys.stderr)

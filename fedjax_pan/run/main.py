@@ -1,9 +1,5 @@
 """Command line: python -m fedjax_pan --config=FILE[:preset] [--config.KEY=VALUE ...] --workdir=DIR
 
-One process of a multi-process run (`fedjax_pan.engine.distributed`) takes --coordinator=HOST:PORT
---num_processes=N --process_id=I, or --distributed to read them from the cluster (SLURM,
-TPU pods); every process is given the same command otherwise, and process 0 writes DIR.
-
 Runs a config (or each of its variants) into DIR; --config.model.options.KEY=VALUE sets
 any option of the model (a Python literal, e.g. `"{'groups': 10, 'depth': 6}"` for
 `grouped`), whether or not the config file names it. A non-empty DIR is refused unless
@@ -12,18 +8,28 @@ succeeds). Every way a run can end early prints one `error:` line and exits with
 2 invalid input (config value, workdir request, data), 3 training diverged, 4 the workdir
 could not be written or read back, 130/143 interrupted by SIGINT/SIGTERM (resumable),
 1 anything unexpected (its traceback is saved to a file the line names).
+
+One process of a multi-process run (`fedjax_pan.engine.distributed`) takes --coordinator=HOST:PORT
+--num_processes=N --process_id=I, or --distributed to read them from the cluster (SLURM,
+TPU pods); every process is given the same command otherwise, and process 0 writes DIR.
+
+--help (-h) lists the flags, and with --config=FILE that file's presets.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.machinery
+import importlib.util
+import inspect
 import os
 import re
 import sys
 import tempfile
+import textwrap
 import time
 import traceback
-from typing import Any, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from absl import flags
 from ml_collections import config_flags
@@ -59,6 +65,123 @@ def _flags(argv: List[str]) -> flags.FlagValues:
     flags.DEFINE_bool("distributed", False, "join a multi-process run whose settings JAX "
                       "reads from the cluster (SLURM, TPU pods, Open MPI)", flag_values=fv)
     return fv
+
+
+_HELP = ("--help", "-h")
+
+
+def _wants_help(argv: List[str]) -> bool:
+    args = argv[1:]
+    return any(arg in _HELP for arg in (args[:args.index("--")] if "--" in args else args))
+
+
+def _flag_lines(fv: flags.FlagValues) -> List[str]:
+    """Each flag of `fv` with its help text and default, in the order they were defined."""
+    lines = []
+    for name in fv:
+        flag = fv[name]
+        if isinstance(flag, flags.BooleanFlag):
+            name, default = f"[no]{name}", str(flag.default).lower()
+        else:
+            default = "none" if flag.default is None else repr(flag.default)
+        lines.append(textwrap.fill(f"--{name}: {flag.help} (default: {default})", width=92,
+                                   initial_indent="  ", subsequent_indent="      "))
+    return lines
+
+
+def _preset_texts(doc: str, names: Sequence[str]) -> Dict[str, str]:
+    """Each preset's description from a config file's docstring, whose block after its
+    `Presets` line has an indented entry per preset: its name (or `a / b`, `a, b`, or
+    `a ... d` for the presets a to d), then its text, continued on deeper-indented lines."""
+    lines = doc.splitlines()
+    start = next((i + 1 for i, line in enumerate(lines) if line.startswith("Presets")), None)
+    if start is None:
+        return {}
+    body = lines[start:]
+    body = body[next((i for i, line in enumerate(body) if line[:1].isspace()), len(body)):]
+    texts: Dict[str, str] = {}
+    chosen: List[str] = []
+    level = None
+    for line in body:
+        indent = len(line) - len(line.lstrip())
+        if not line.strip() or indent == 0:
+            break
+        level = indent if level is None else level
+        words = line.split()
+        if indent == level:  # a new entry: its names, then its text
+            n, chosen = 0, []
+            while n < len(words) and words[n].rstrip(",") in names:
+                word = words[n].rstrip(",")
+                if n and words[n - 1] == "...":
+                    chosen += names[names.index(chosen[-1]) + 1:names.index(word)]
+                chosen.append(word)
+                if words[n].endswith(","):
+                    n += 1
+                elif words[n + 1:n + 2] in (["/"], ["..."]):
+                    n += 2
+                else:  # the last name: the text follows
+                    n += 1
+                    break
+            words = words[n:]
+            texts.update((name, "") for name in chosen)
+        for name in chosen:
+            texts[name] = " ".join([texts[name], *words]).strip()
+    return texts
+
+
+def _load(path: str) -> Any:
+    """Config file `path` as a module (as config_flags loads it, under a name of its own):
+    its imports run, no config is built, no data read."""
+    loader = importlib.machinery.SourceFileLoader("fedjax_pan_help_config", path)
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name,
+                                                                             loader))
+    loader.exec_module(module)
+    return module
+
+
+def _preset_lines(path: str, module: Any) -> List[str]:
+    """The presets of config file `path` (its PRESETS, the names its `:preset` error
+    lists), each with its description where the file's docstring gives one."""
+    names = list(getattr(module, "PRESETS", ()))
+    if not names:
+        return [f"{path} names no presets (no PRESETS)"]
+    preset = inspect.signature(getattr(module, "get_config", lambda: None)).parameters.get(
+        "preset")  # get_config's default preset, when it has one
+    default = "" if preset is None or preset.default is preset.empty else \
+        f"; default {preset.default}"
+    texts = _preset_texts(module.__doc__ or "", names)
+    width = max(len(n) for n in names) + 4
+    return [f"presets of {path} (--config={path}:PRESET{default}):"] + [
+        textwrap.fill(f"{name:<{width - 2}}{texts.get(name, '')}", width=92,
+                      initial_indent="  ", subsequent_indent=" " * width,
+                      break_on_hyphens=False)
+        for name in names]
+
+
+def _help(fv: flags.FlagValues, argv: List[str]) -> int:
+    """Prints the usage, the flags, the exit statuses and, with --config=FILE, the file's
+    presets; a config file that does not load is one `error:` line, status 2."""
+    path = None
+    for i, arg in enumerate(argv[1:], 1):
+        name, eq, value = arg.partition("=")
+        if name in ("--config", "-config"):
+            path = (value if eq else (argv[i + 1] if i + 1 < len(argv) else "")).split(":")[0]
+    presets: List[str] = []
+    if path is not None:
+        try:
+            module = _load(path)
+        except OSError as e:
+            return _error(f"--config={path} cannot be read: {e.strerror or e}")
+        except Exception as e:  # noqa: BLE001 - the config file's own error, in one line
+            return _error(f"--config={path} does not load: {type(e).__name__}: {e}")
+        presets = [""] + _preset_lines(path, module)
+    about = (__doc__ or "").partition("\n")[2].strip()
+    keys = ("config keys: every --config.KEY, with its default and what it must be, is in "
+            "docs/CONFIG.md (`python -m fedjax_pan.config.document` prints it)")
+    print("\n".join([textwrap.fill(USAGE, width=92, subsequent_indent="    "), "", about, "",
+                     "flags:", *_flag_lines(fv), "", textwrap.fill(keys, width=92),
+                     *presets]))
+    return 0
 
 
 def _error(message, status: int = 2) -> int:
@@ -157,6 +280,8 @@ def _unexpected(e: BaseException) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv, options = _model_options(list(sys.argv if argv is None else argv))
     fv = _flags(argv)
+    if _wants_help(argv):  # before anything is parsed or loaded: help is instant
+        return _help(fv, argv)
     try:
         unknown = _unknown_override(argv)
         if unknown:

@@ -15,7 +15,7 @@ import ml_collections
 
 from fedjax_pan import algorithms
 from fedjax_pan.engine import distributed
-from fedjax_pan.run import reporting
+from fedjax_pan.run import reporting, tensorboard
 from fedjax_pan import data as data_lib
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.algorithms import sampling
@@ -249,6 +249,15 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
         counts = data_lib.client_label_counts(exp.dataset.train_labels, exp.client_indices,
                                               exp.dataset.num_classes)
         label_mix = counts / counts.sum(axis=1, keepdims=True)
+
+        def open_events() -> Optional[tensorboard.Writer]:
+            """(process 0) TensorBoard's copy of the rows, rebuilt from those kept; a
+            finished run that is resumed rewrites nothing."""
+            if state.round >= cfg.rounds:
+                return None
+            with workdir_lib.writing(f"the event files in {workdir}", safe):
+                return tensorboard.Writer(workdir, rows)
+        events = distributed.on_primary(open_events, "opening the event files")
         bar = tqdm(total=cfg.rounds, initial=state.round, desc=desc or "rounds",
                    disable=not (progress and primary), unit="round", dynamic_ncols=True)
         try:
@@ -316,6 +325,8 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                         with workdir_lib.writing(metrics_path, safe):
                             with open(metrics_path, "a") as f:
                                 f.write(json.dumps(row) + "\n")
+                        with workdir_lib.writing(f"the event files in {workdir}", safe):
+                            events.write(r, row)
                         bar.set_postfix(acc=f"{100 * row['test_accuracy']:.2f}%",
                                         loss=f"{loss:.3f}")
                     if r % cfg.checkpoint_every == 0 or r == cfg.rounds:
@@ -336,6 +347,8 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             bar.close()
             if ckpt is not None:
                 ckpt.close()
+            if events is not None:
+                events.close()
 
     totals = saved_totals  # the final round is always saved: its record is the run's
     summary = {**reporting.summarize(rows), "rounds": state.round,

@@ -1,10 +1,12 @@
 """FLChain's ledger audit from the command line: `ledger.verify` under FLChain's update rule.
 
-    python -m fedjax_pan.algorithms.robust.flchain_cli WORKDIR [--anchor FILE]
-        [--validators sha256:HEX|FILE]
-        exit 0 verified, 1 a fault named in one line, 2 bad input (or a ledger format this
-        verifier does not read); without --anchor, the anchor in WORKDIR/summary.json is
-        used, with a note that it only binds a folder nobody else wrote
+`python -m fedjax_pan.algorithms.robust.flchain_cli WORKDIR` verifies the ledger of the
+FLChain run in WORKDIR (`USAGE`). --anchor FILE: the anchor the run printed (or a copy of
+its summary.json) that the run's owner kept; without it, the anchor in WORKDIR/summary.json
+is used, with a note that it only binds a folder nobody else wrote. --validators: the
+validators' fingerprint, or a JSON file with their public keys (a list), an anchor or a
+summary.json. Exit 0 verified, 1 a fault named in one line, 2 bad input (or a ledger format
+this verifier does not read).
 
 (`fedjax_pan.algorithms.robust.ledger`'s docstring has what the audit checks and the formats.)
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import textwrap
 from typing import Any, Dict, List, Optional, Tuple
 
 from fedjax_pan.algorithms.robust import ledger
@@ -58,6 +61,10 @@ def _arguments(argv: List[str]) -> Tuple[str, Optional[str], Optional[str]]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--help" in argv or "-h" in argv:
+        print(f"{textwrap.fill(USAGE, width=92, subsequent_indent='    ')}\n\n{__doc__ or ''}"
+              .rstrip())
+        return 0
     # Bad input (exit 2) is a wrong command line, a folder without a ledger, an unreadable
     # anchor or a ledger of another format; a ledger that does not verify exits 1.
     try:
