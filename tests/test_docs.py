@@ -148,6 +148,11 @@ def test_notebook_sources_are_myst_notebooks_without_outputs():
     # An indented block after a line ending in ':' is a literal block.
     (["Run:", "    python -m fedjax_pan", "after"],
      ["Run::", "", "    python -m fedjax_pan", "", "after"]),
+    # As in Markdown, a block indented by four more after a blank line is code.
+    (["Each step:", "", "    x <- x - lr g", "    y <- y + 1", "", "then"],
+     ["Each step::", "", "    x <- x - lr g", "    y <- y + 1", "", "then"]),
+    (["The update", "", "    x <- x - lr g", "done"],
+     ["The update", "", "::", "", "    x <- x - lr g", "", "done"]),
     # Any other indented block is set off by blank lines.
     (["Some text", "  indented", "back"], ["Some text", "", "  indented", "", "back"]),
     # A list after a paragraph gets its blank line; its continuation lines do not.

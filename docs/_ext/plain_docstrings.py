@@ -4,8 +4,9 @@ indented blocks; this turns them into the reStructuredText autodoc expects.
 - `x` becomes an inline literal; `|`, a lone `*` and a trailing `_` are escaped outside it
   (`|x|` is a norm, `2*pi` a product, `clip_` a name, not RST substitutions, emphasis or
   link targets);
-- an indented block after a line ending in ':' becomes a literal block (commands, formulas,
-  tables laid out by hand); any other indented block, and a list, is set off by blank
+- an indented block after a line ending in ':', or indented by four more after a blank
+  line (Markdown's code block), becomes a literal block (commands, formulas, tables laid
+  out by hand); any other indented block, and a list, is set off by blank
   lines, except a list item's continuation lines.
 """
 
@@ -61,6 +62,18 @@ def convert(lines: List[str]) -> List[str]:
         prev = next((p for p in reversed(out) if p.strip()), None)
         prev_blank = bool(out) and not out[-1].strip()
         m = _LIST.match(line)
+        if (prev is not None and prev_blank and item_at is None and ind >= _indent(prev) + 4
+                and not prev.rstrip().endswith("::")):
+            # As in Markdown: a block indented by 4 more after a blank line is code.
+            at = max(i for i, p in enumerate(out) if p.strip())
+            if prev.rstrip().endswith(":"):
+                out[at] = out[at].rstrip() + ":"
+            else:
+                out.insert(at + 1, "")
+                out.insert(at + 2, " " * _indent(prev) + "::")
+            literal_at = _indent(prev)
+            out.append(line)
+            continue
         if prev is not None and not prev_blank:
             pind = _indent(prev)
             if ind > pind and not (item_at is not None and ind == item_at):
