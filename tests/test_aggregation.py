@@ -40,8 +40,8 @@ def _public():
 
 def test_the_table_lists_every_rule_in_order():
     assert tuple(RULES) == ("mean", "median", "trimmed_mean", "multi_krum", "geometric_median",
-                            "zeno", "sageflow", "fedasync")
-    assert aggregation.public_rules() == ("zeno", "sageflow")
+                            "zeno", "sageflow", "fedasync", "auto_weights")
+    assert aggregation.public_rules() == ("zeno", "sageflow", "auto_weights")
     for name, entry in RULES.items():
         assert entry.summary and entry.reference is not None, name
 

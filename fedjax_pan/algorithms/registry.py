@@ -150,10 +150,10 @@ def public_size(cfg: Any, num_train: int) -> int:
 def from_config(model: nn.Module, cfg: Any, public: Any = None, public_labels: Any = None,
                 input_shape: Any = None) -> FederatedAlgorithm:
     """The algorithm `cfg.algorithm` for `model`, configured by `cfg`, with the
-    aggregation rule it names (the features add the rest: `algorithms.features`); `public`: the
-    public images held out at the server (`public_labels` their labels: zeno and sageflow
-    score models on them); `input_shape`: one example's (H, W, C), for algorithms that
-    build a network of their own."""
+    aggregation rule it names (the features add the rest: `algorithms.features`); `public`:
+    the public images held out at the server (`public_labels` their labels: the rules that
+    are `public` in `aggregation.RULES` score models on them); `input_shape`: one
+    example's (H, W, C), for algorithms that build a network of their own."""
     if cfg.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {cfg.algorithm!r}; available: {sorted(ALGORITHMS)}")
     server = cfg.server
