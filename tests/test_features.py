@@ -21,7 +21,7 @@ from test_experiment import config
 
 def test_the_order_is_the_wrapping_order():
     assert [f.section for f in features.FEATURES] == ["shuffle", "attack", "compression",
-                                                      "privacy", "straggler"]
+                                                      "privacy", "straggler", "recruitment"]
 
 
 @pytest.mark.parametrize("feature", features.FEATURES, ids=lambda f: f.section)

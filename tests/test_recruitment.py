@@ -3,6 +3,8 @@ against histories summed by hand and in closed form, and the reverse auction aga
 defining properties (truthful, individually rational, budget feasible, critical-value
 payments found by bisection) and an instance solved by hand."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -350,3 +352,117 @@ def test_strategic_bids_raise_costs_by_exactly_the_markup():
 def test_bad_input_raises_naming_the_value(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# --- In a run: config.recruitment, the engine's Recruiter -------------------------------
+
+def _options(**changes):
+    import ml_collections
+    return ml_collections.ConfigDict({**rc.FEATURE.options, "policy": "fair", **changes})
+
+
+def test_fair_recruiter_runs_the_auction_on_the_estimates_within_the_budget():
+    r = rc.recruiter(_options(budget=5.0, strategic_share=0.5, markup=0.5), seed=3)
+    state = r.init(12)
+    ids, new, fields = r.select(state, 7)
+    again, _, _ = r.select(state, 7)  # pure: a resumed run recruits the same clients
+    assert ids.tolist() == again.tolist() == fields["recruit_clients"]
+    costs, bids = rc._bids(_options(strategic_share=0.5, markup=0.5), 3, 7, 12)
+    assert set(np.round(bids / costs, 12)) == {1.0, 1.5}  # strategic clients ask 50% more
+    want = rc.auction(bids, np.ones(12), 5.0)  # no history: every estimate is the prior
+    assert ids.tolist() == want.winners.tolist()
+    np.testing.assert_allclose(fields["recruit_payments"], want.payments)
+    assert fields["recruit_bids"] == bids[ids].tolist()
+    assert fields["recruit_costs"] == costs[ids].tolist()
+    assert fields["recruit_spent"] == pytest.approx(sum(fields["recruit_payments"]))
+    assert fields["recruit_spent"] <= 5.0
+    assert fields["recruit_budget_left"] == pytest.approx(5.0 - fields["recruit_spent"])
+    assert float(new["spent_total"][0]) == pytest.approx(fields["recruit_spent"])
+    assert float(state["spent_total"][0]) == 0.0  # the input state is not changed
+
+
+def test_learned_weights_become_qualities_that_steer_the_next_auction():
+    r = rc.recruiter(_options(forgetting=0.5, budget=100.0), seed=0)
+    state = r.init(4)
+    state, fields = r.observe(state, np.array([0, 2]), {"weights": np.array([0.75, 0.25])}, 0)
+    assert fields["recruit_learned"] == [1.5, 0.5]  # alpha x the round's winners
+    np.testing.assert_allclose(rc.quality_estimate(rc._quality(state), 1.0), [1.5, 1, 0.5, 1])
+    _, _, chosen = r.select(state, 1)
+    q = dict(zip(chosen["recruit_clients"], chosen["recruit_quality"]))
+    assert all(q[i] == {0: 1.5, 1: 1.0, 2: 0.5, 3: 1.0}[i] for i in q)
+    # A rule that learns nothing (no report) leaves the estimates as they are.
+    same, nothing = r.observe(state, np.array([1]), {}, 1)
+    assert nothing == {} and same is state
+
+
+def test_the_random_baseline_is_seeded_and_within_the_budget():
+    r = rc.recruiter(_options(policy="random", budget=4.0), seed=1)
+    state = r.init(20)
+    a, b = r.select(state, 2)[2], r.select(state, 2)[2]
+    assert a == b and a["recruit_spent"] <= 4.0
+    assert a["recruit_payments"] == a["recruit_bids"]  # paid what it asked
+    assert r.select(state, 3)[2]["recruit_clients"] != a["recruit_clients"]
+
+
+def _config(**changes):
+    import importlib.util
+    import os
+    from conftest import ROOT
+    from fedjax_pan.config import defaults
+    spec = importlib.util.spec_from_file_location(
+        "fmnist_mlp", os.path.join(ROOT, "configs", "fmnist_mlp.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config("smoke")
+    cfg.dataset.name = "synthetic"
+    cfg.model.options = {"hidden": [32, 32]}
+    base = {"recruitment.policy": "fair", "recruitment.budget": 6.0,
+            "aggregation.rule": "auto_weights", "dataset.public_size": 200}
+    return defaults.set_keys(cfg, {**base, **{k.replace("__", "."): v
+                                              for k, v in changes.items()}})
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(aggregation__rule="mean"), "aggregation.rule='auto_weights'"),
+    (dict(straggler__max_delay=2), "straggler.max_delay=0"),
+    (dict(sampling="poisson"), "sampling='uniform'"),
+    (dict(recruitment__cost_low=3.0, recruitment__cost_high=2.0), "cost_low"),
+    (dict(recruitment__budget=0.0), "recruitment.budget"),
+    (dict(recruitment__policy="greedy"), "greedy"),
+    (dict(algorithm="fedma", pan__amplitude=0.0), "recruitment.policy"),
+])
+def test_settings_recruitment_cannot_run_with_are_refused_in_one_line(tmp_path, changes, match):
+    from fedjax_pan.run import experiment
+    workdir = tmp_path / "w"
+    with pytest.raises(experiment.ConfigError, match=re.escape(match)) as e:
+        experiment.train(_config(**changes), str(workdir), progress=False)
+    assert "\n" not in str(e.value)
+    assert not workdir.exists()
+
+
+def test_fair_from_a_config_logs_its_recruits_and_resumes_exactly(tmp_path):
+    import json
+    import os
+    import shutil
+    from fedjax_pan.run import experiment
+
+    def rows(workdir):
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            return [{k: v for k, v in json.loads(line).items() if k != "seconds"} for line in f]
+
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    experiment.train(_config(rounds=4, checkpoint_every=2), full, progress=False)
+    experiment.train(_config(rounds=3, checkpoint_every=2), part, progress=False)
+    shutil.rmtree(os.path.join(part, "checkpoints", "3"))  # crashed before round 3's
+    experiment.train(_config(rounds=4, checkpoint_every=2), part, resume=True, progress=False)
+    got = rows(full)
+    assert rows(part) == got  # the estimates and the money spent came back from round 2
+    total = 0.0
+    for row in got:
+        assert row["recruit_count"] == len(row["recruit_clients"]) > 0
+        assert row["recruit_spent"] <= 6.0 + 1e-9
+        assert all(p >= b for p, b in zip(row["recruit_payments"], row["recruit_bids"]))
+        assert len(row["recruit_learned"]) == row["recruit_count"]
+        assert sum(row["recruit_learned"]) == pytest.approx(row["recruit_count"], rel=1e-5)
+        total += row["recruit_spent"]
+        assert row["recruit_spent_total"] == pytest.approx(total)

@@ -140,3 +140,44 @@ def test_a_state_saved_and_restored_in_each_place_goes_on_as_it_was(place, state
     if stateful and place == "device":  # back on the device after a round
         assert all(isinstance(x, jax.Array)
                    for x in jax.tree_util.tree_leaves(again.client_states))
+
+
+def _fixed_recruiter(rounds):
+    """Recruits rounds[t] in round t; its state counts the rounds it recruited for."""
+    from fedjax_pan.engine.protocol import Recruiter
+    return Recruiter(
+        init=lambda k: {"count": np.zeros(1)},
+        select=lambda state, t: (np.asarray(rounds[t]), {"count": state["count"] + 1},
+                                 {"recruit_count": len(rounds[t])}),
+        observe=lambda state, ids, report, t: (state, {"recruit_seen": list(map(int, ids))}))
+
+
+def test_a_recruiter_chooses_each_round_and_its_state_is_checkpointed():
+    sim, variables = _sim()
+    rounds = [[0, 3], [1], [], [2, 4, 5]]
+    recruited = Simulation(sim.algorithm, sim.data, WORK, sim.executor,
+                           recruiter=_fixed_recruiter(rounds))
+    state = recruited.init(variables)
+    assert recruited.cohort(state, 0).ids.tolist() == [0, 3]
+    for t, ids in enumerate(rounds):
+        before = state.server
+        state, stats = recruited.round(state)
+        assert stats["recruit_count"] == len(ids)
+        assert stats.get("recruit_seen", []) == ids  # observed after the server update
+        assert float(state.selection["count"][0]) == t + 1
+        same = jax.tree_util.tree_all(jax.tree_util.tree_map(
+            lambda a, b: bool(np.array_equal(a, b)), before.params, state.server.params))
+        assert same == (not ids)  # nobody recruited: the server stays as it was
+    saved = state.saved()
+    assert isinstance(saved[-1], dict) and float(saved[-1]["selection"]["count"][0]) == 4
+    back = SimState.restored(saved, state.round)
+    assert back.timing is None and float(back.selection["count"][0]) == 4
+    # A state without a recruiter saves exactly what it saved before recruiters existed.
+    assert len(sim.init(variables).saved()) == 2
+
+
+def test_a_recruiter_refuses_poisson_sampling():
+    sim, _ = _sim()
+    with pytest.raises(ValueError, match="sampling='uniform'"):
+        Simulation(sim.algorithm, sim.data, WORK, sim.executor, sampling="poisson",
+                   recruiter=_fixed_recruiter([[0]]))

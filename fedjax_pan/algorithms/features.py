@@ -1,7 +1,8 @@
 """The cross-cutting features, in the order they wrap an algorithm: PAN's shuffling
 (Alg. 2) changes local training, attackers change what trained clients send, compression
-changes how it is sent, DP-FedAvg clips and noises what arrives, and stragglers change
-when it arrives (`stragglers`: the engine's `Simulation` executes them).
+changes how it is sent, DP-FedAvg clips and noises what arrives, stragglers change
+when it arrives (`stragglers`: the engine's `Simulation` executes them), and recruitment
+changes who takes part (the engine asks its `Recruiter`).
 
 Each feature describes itself in one `FeatureEntry` (`algorithms.core`) in its own module;
 this tuple is the only list of them: the default config, the schema, the docs and the
@@ -17,13 +18,13 @@ import ml_collections
 
 from fedjax_pan.algorithms.robust import attacks
 from fedjax_pan.algorithms.uploads import compressed, dp
-from fedjax_pan.algorithms import shuffle, stragglers
+from fedjax_pan.algorithms import recruitment, shuffle, stragglers
 from fedjax_pan.algorithms.core import FeatureEntry
 from fedjax_pan.rules import Rule
 
 
 FEATURES: Tuple[FeatureEntry, ...] = (shuffle.FEATURE, attacks.FEATURE, compressed.FEATURE,
-                                      dp.FEATURE, stragglers.FEATURE)
+                                      dp.FEATURE, stragglers.FEATURE, recruitment.FEATURE)
 
 
 def default_sections(table: Sequence[FeatureEntry] = FEATURES

@@ -45,15 +45,28 @@ reverse auction within a per-round budget B. Pure NumPy; every function is pure.
 Baseline and simulation: `random_within_budget` takes clients in a random order while their
 bids fit (paid their bids, not truthful); `draw_costs` and `strategic_bids` simulate
 private per-round costs and marked-up bids.
+
+In a run (`config.recruitment`, `FEATURE`): the engine asks a `Recruiter` for each round's
+clients instead of sampling them. `policy='fair'` runs the auction on the estimated
+qualities, which the aggregation rule `auto_weights` feeds back (its learned weights);
+`policy='random'` is the baseline under the same budget. Each round's costs are drawn
+from (seed, round); a `strategic_share` of the clients, drawn once per seed, bid
+`markup` above their costs. Rows of metrics.jsonl gain the round's recruits, their bids,
+costs, payments and estimated and learned qualities, the money spent and left.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple, Union
+from typing import Any, Dict, NamedTuple, Tuple, Union
 
 import numpy as np
 
+from fedjax_pan.algorithms import stragglers
+from fedjax_pan.algorithms.core import FeatureEntry
+from fedjax_pan.algorithms.sampling import cohort_sampling
+from fedjax_pan.engine.protocol import Recruiter
 from fedjax_pan.references import Reference
+from fedjax_pan.rules import between, one_of
 
 # A client of estimated quality <= 0 (a learned weight of 0) still needs a finite price per
 # unit quality: it is valued at this floor, so its price is high but finite.
@@ -228,6 +241,104 @@ def strategic_bids(costs: np.ndarray, markup: Union[float, np.ndarray]) -> np.nd
     return costs * (1.0 + markup)
 
 
+# Streams of the seed (apart from sampling's and training's): each round's costs, the
+# strategic clients, the baseline's order.
+_COSTS, _STRATEGIC, _ORDER = 0x46414952, 0x46414953, 0x46414954
+POLICIES = ("none", "fair", "random")
+
+
+def _bids(options: Any, seed: int, round_index: int, num_clients: int
+          ) -> Tuple[np.ndarray, np.ndarray]:
+    """(costs, bids) of every client in round `round_index`."""
+    costs = draw_costs(np.random.default_rng([seed, _COSTS, round_index]), num_clients,
+                       options.cost_low, options.cost_high)
+    strategic = (np.random.default_rng([seed, _STRATEGIC]).random(num_clients)
+                 < options.strategic_share)
+    return costs, strategic_bids(costs, np.where(strategic, options.markup, 0.0))
+
+
+def _quality(state: Dict[str, np.ndarray]) -> QualityState:
+    return QualityState(np.asarray(state["weighted_sum"], np.float64),
+                        np.asarray(state["weight_sum"], np.float64),
+                        np.asarray(state["last_round"], np.int64))
+
+
+def recruiter(options: Any, seed: int) -> Recruiter:
+    """The engine's `Recruiter` for `config.recruitment` (`options`) and the run's seed:
+    FAIR's auction on the estimated qualities, or the random baseline, within
+    `options.budget` a round."""
+    if options.policy not in POLICIES[1:]:
+        raise ValueError(f"recruitment.policy must be one of {POLICIES[1:]}, got "
+                         f"{options.policy!r}")
+
+    def init(num_clients: int) -> Dict[str, np.ndarray]:
+        return {**quality_init(num_clients)._asdict(), "spent_total": np.zeros(1)}
+
+    def select(state, round_index):
+        q = quality_estimate(_quality(state), options.prior)
+        costs, bids = _bids(options, seed, round_index, q.shape[0])
+        if options.policy == "fair":
+            won = auction(bids, q, options.budget)
+        else:
+            won = random_within_budget(
+                bids, options.budget, np.random.default_rng([seed, _ORDER, round_index]))
+        total = float(np.asarray(state["spent_total"])[0]) + won.spent
+        w = won.winners
+        fields = {"recruit_clients": w.tolist(), "recruit_bids": bids[w].tolist(),
+                  "recruit_costs": costs[w].tolist(), "recruit_payments": won.payments.tolist(),
+                  "recruit_quality": q[w].tolist(), "recruit_count": int(w.size),
+                  "recruit_spent": won.spent, "recruit_budget_left": options.budget - won.spent,
+                  "recruit_spent_total": total}
+        return w, {**state, "spent_total": np.asarray([total])}, fields
+
+    def observe(state, ids, report, round_index):
+        if "weights" not in report or not len(ids):
+            return state, {}
+        alpha = np.asarray(report["weights"], np.float64)
+        quality = quality_update(_quality(state), ids, alpha, round_index, options.forgetting)
+        return ({**state, **quality._asdict()},
+                {"recruit_learned": (alpha * len(ids)).tolist()})
+
+    return Recruiter(init, select, observe)
+
+
+def _check(cfg: Any) -> None:
+    o = cfg.recruitment
+    if o.policy == "none":
+        return
+    if o.cost_low > o.cost_high:
+        raise ValueError(f"recruitment.cost_low = {o.cost_low} must be at most "
+                         f"recruitment.cost_high = {o.cost_high}")
+    if stragglers.late(cfg):
+        raise ValueError(f"recruitment.policy={o.policy!r} recruits the clients of each "
+                         f"round and waits for none: set straggler.max_delay=0")
+    if cohort_sampling(cfg) != "uniform":
+        raise ValueError(f"recruitment.policy={o.policy!r} replaces sampling: set "
+                         f"sampling='uniform' and privacy.clip=0")
+    if o.policy == "fair" and cfg.aggregation.rule != "auto_weights":
+        raise ValueError("recruitment.policy='fair' reads each client's quality from the "
+                         "weights aggregation.rule='auto_weights' learns: set it "
+                         "(aggregation.auto_weights.apply=false keeps the round's weights)")
+
+
+FEATURE = FeatureEntry(
+    "recruitment",
+    options={"policy": "none", "budget": 10.0, "cost_low": 1.0, "cost_high": 2.0,
+             "strategic_share": 0.0, "markup": 0.5, "forgetting": 0.5, "prior": 1.0},
+    rules={"policy": one_of(POLICIES), "budget": between(0, 1e12, lo_open=True),
+           "cost_low": between(0, 1e9), "cost_high": between(0, 1e9),
+           "strategic_share": between(0, 1), "markup": between(0, 100),
+           "forgetting": between(0, 1, lo_open=True), "prior": between(0, 1e3, lo_open=True)},
+    off=(("policy", "none"),), check=_check,
+    simulation=lambda cfg: {"recruiter": recruiter(cfg.recruitment, cfg.seed)},
+    summary="the server recruits each round's clients within a per-round budget instead of "
+            "sampling them (FAIR, Deng et al. 2021/2022): 'fair' by a truthful reverse "
+            "auction on qualities estimated from the weights aggregation.rule="
+            "'auto_weights' learns, 'random' in a random order while bids fit; costs "
+            "uniform in [cost_low, cost_high) each round, a strategic_share bidding "
+            "markup above cost")
+
+
 __all__ = ["VALUE_FLOOR", "REFERENCE", "QualityState", "Recruitment", "quality_init",
            "quality_update", "quality_estimate", "auction", "random_within_budget",
-           "draw_costs", "strategic_bids"]
+           "draw_costs", "strategic_bids", "POLICIES", "recruiter", "FEATURE"]

@@ -100,7 +100,9 @@ class Aggregator(NamedTuple):
     client trained from) and turns the model it returns back into an output against the
     current server (`to_output`). `score(variables) -> {name: scalar}` is computed for each
     client's model when its output is made (SageFlow's loss and entropy on public data) and
-    reaches `finalize` in `arrivals.scores`.
+    reaches `finalize` in `arrivals.scores`. `report(entries, weights, arrivals) -> {name:
+    (N,)}` (stacked rules only) says what the rule found about each client of the round
+    (the weights FAIR's rule learned); the engine hands it to its `Recruiter`.
     """
 
     finalize: Callable[..., PyTree]
@@ -111,6 +113,25 @@ class Aggregator(NamedTuple):
     # zero sum and total weight 0 (DP-FedAvg's fixed denominator adds its noise); False:
     # the server stays as it was.
     closes_empty: bool = False
+    report: Optional[Callable[..., Dict[str, Any]]] = None
+
+
+class Recruiter(NamedTuple):
+    """Which clients a round takes when the server recruits them instead of sampling
+    (FAIR's reverse auction): host-side functions over a state of NumPy arrays that the
+    engine keeps in `SimState.selection` and checkpoints.
+
+    `init(num_clients)` -> the first state; `select(state, round)` -> (the round's client
+    ids, sorted; the state after selecting; {name: value} for the round's row): a pure
+    function of its arguments, so a resumed run recruits identically;
+    `observe(state, ids, report, round)` -> (state, {name: value}) after the server update,
+    `report` being the aggregator's `report` for `ids` as NumPy arrays ({} without one).
+    The names a recruiter reports start with 'recruit_' (they go to metrics.jsonl).
+    """
+
+    init: Callable[[int], Any]
+    select: Callable[[Any, int], Tuple[Any, Any, Dict[str, Any]]]
+    observe: Callable[[Any, Any, Dict[str, Any], int], Tuple[Any, Dict[str, Any]]]
 
 
 def _mean(output_sum: PyTree, total_weight: Any) -> PyTree:

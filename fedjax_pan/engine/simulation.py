@@ -21,9 +21,9 @@ import numpy as np
 
 from fedjax_pan.engine import distributed
 from fedjax_pan.engine import store, timing
-from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, RoundDefaults, RoundInfo,
-                                        placeholder_context, stacked_aggregate,
-                                        stacked_entries, tree_bytes)
+from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, Recruiter,
+                                        RoundDefaults, RoundInfo, placeholder_context,
+                                        stacked_aggregate, stacked_entries, tree_bytes)
 from fedjax_pan.engine.clients import (ClientData, LocalWork, client_keys, real_examples,
                                        step_batch)
 from fedjax_pan.engine.execution import Cohort, CohortResult, pop_upload_bytes
@@ -47,13 +47,15 @@ class SimState(NamedTuple):
     client_states: PyTree  # stacked over all K clients, or None
     round: int  # rounds completed
     timing: Optional[timing.TimeState] = None  # simulated time, outputs in flight
+    selection: Optional[PyTree] = None  # a `Recruiter`'s state (NumPy arrays)
 
     def saved(self) -> tuple:
         """What a checkpoint holds (`restored` puts it back); the client states' store is
         flushed first (states on disk: the checkpoint names their slots)."""
         store.wrap(self.client_states).flush()
         base = (self.server, self.client_states)
-        return base if self.timing is None else base + (self.timing,)
+        base = base if self.timing is None else base + (self.timing,)
+        return base if self.selection is None else base + ({"selection": self.selection},)
 
     def checkpointed(self) -> None:
         """A checkpoint of this state was written (states on disk keep its slots)."""
@@ -61,7 +63,10 @@ class SimState(NamedTuple):
 
     @staticmethod
     def restored(tree: tuple, round_index: int) -> "SimState":
-        state = SimState(tree[0], tree[1], round_index, *tree[2:])
+        rest = list(tree[2:])
+        selection = (rest.pop()["selection"] if rest and isinstance(rest[-1], dict)
+                     else None)
+        state = SimState(tree[0], tree[1], round_index, *rest, selection=selection)
         store.wrap(state.client_states).resumed()
         return state
 
@@ -139,6 +144,8 @@ class Simulation(RoundDefaults):
     sampling: str = "uniform"
     # Fine-tuning before every evaluation on the clients' own data; None: none.
     tuning: Optional[Tuning] = None
+    # Clients recruited by the server instead of sampled (FAIR's auction); None: sampled.
+    recruiter: Optional[Recruiter] = None
 
     def __post_init__(self):
         if self.aggregation not in AGGREGATIONS:
@@ -151,6 +158,10 @@ class Simulation(RoundDefaults):
         if self.sampling == "poisson" and (self.stragglers is not None
                                            and self.stragglers.max_delay > 0):
             raise ValueError("Poisson sampling and stragglers are not available together")
+        if self.recruiter is not None and (self.sampling != "uniform" or (
+                self.stragglers is not None and self.stragglers.max_delay > 0)):
+            raise ValueError("a recruiter replaces sampling, and answers no late clients: "
+                             "it needs sampling='uniform' and no stragglers")
         if self.states_in not in store.PLACES:
             raise ValueError(f"unknown place for client states {self.states_in!r}; "
                              f"expected one of {store.PLACES}")
@@ -160,6 +171,7 @@ class Simulation(RoundDefaults):
         self.steps = self.work.num_steps(self.data.sizes)
         self._data_key, self._algo_key = stream_keys(self.seed)
         self._server_update = jax.jit(self._aggregate_and_update)
+        self._update_and_report = jax.jit(self._aggregate_update_report)
         self._model_bytes, self._download = None, None
         adapt = getattr(self.algorithm, "personal_adapt", None)
         # Every client's model adapted on its batch; a stateless algorithm's None maps over
@@ -183,6 +195,8 @@ class Simulation(RoundDefaults):
     def init(self, variables: PyTree) -> SimState:
         server = self.algorithm.server_init(variables)
         state = self._init_states(server)
+        if self.recruiter is not None:
+            state = state._replace(selection=self.recruiter.init(self.data.num_clients))
         if self.stragglers is None:
             return state
         return state._replace(timing=self._empty_time(server, state.client_states))
@@ -200,6 +214,14 @@ class Simulation(RoundDefaults):
     def sample(self, round_index: int) -> np.ndarray:
         return sampled_clients(self.seed, self.data.num_clients, self.participation,
                                self.sampling, round_index)
+
+    def _recruit(self, state: SimState) -> tuple:
+        """(ids, selection state, row fields) of round `state.round`: the recruiter's
+        choice, or the sampled cohort."""
+        if self.recruiter is None:
+            return self.sample(state.round), state.selection, {}
+        ids, selection, fields = self.recruiter.select(state.selection, state.round)
+        return np.asarray(ids, np.int64), selection, fields
 
     def evaluation(self, server: PyTree) -> tuple:
         """(network to evaluate, or None for the experiment's model; its variables)."""
@@ -282,23 +304,38 @@ class Simulation(RoundDefaults):
 
     def cohort(self, state: SimState, round_index: int,
                ids: Optional[np.ndarray] = None) -> Cohort:
-        """Round `round_index`'s cohort: its sampled clients, or `ids` of them."""
-        ids = self.sample(round_index) if ids is None else ids
+        """Round `round_index`'s cohort: its sampled (or recruited) clients, or `ids`."""
+        if ids is None:
+            ids = (self.sample(round_index) if self.recruiter is None else
+                   np.asarray(self.recruiter.select(state.selection, round_index)[0], np.int64))
         return Cohort(ids, self.steps[ids], self._weights(ids),
                       client_keys(self._data_key, round_index, ids),
                       client_keys(self._algo_key, round_index, ids),
                       self._states(state.client_states).gather(ids), round_index)
 
+    def _stacked_round(self, server, outputs, info):
+        """(entries, arrivals) of a synchronous round's stacked outputs."""
+        entries, scores = stacked_entries(self.algorithm, server, outputs)
+        arrivals = Arrivals(jnp.zeros(info.weights.shape, jnp.int32), scores, info.round,
+                            self.algorithm.eval_variables(server))
+        return entries, arrivals
+
     def _aggregate_and_update(self, server, outputs, weights, info):
         if self.algorithm.aggregator.stacked:
-            entries, scores = stacked_entries(self.algorithm, server, outputs)
-            arrivals = Arrivals(jnp.zeros(info.weights.shape, jnp.int32), scores, info.round,
-                                self.algorithm.eval_variables(server))
+            entries, arrivals = self._stacked_round(server, outputs, info)
             aggregate = stacked_aggregate(self.algorithm, server, entries, info.weights,
                                           arrivals)
         else:
             aggregate = self.algorithm.aggregator.finalize(outputs, jnp.sum(weights))
         return self.algorithm.server_update(server, aggregate, info)
+
+    def _aggregate_update_report(self, server, outputs, weights, info):
+        """The server update and the stacked aggregator's `report` of the round."""
+        del weights  # a stacked rule reads the normalised weights of `info`
+        entries, arrivals = self._stacked_round(server, outputs, info)
+        aggregate = stacked_aggregate(self.algorithm, server, entries, info.weights, arrivals)
+        report = self.algorithm.aggregator.report(entries, info.weights, arrivals)
+        return self.algorithm.server_update(server, aggregate, info), report
 
     def client_updates(self, state: SimState) -> list:
         """Each client of round `state.round`'s cohort, run alone: their outputs (for FedAvg,
@@ -344,20 +381,38 @@ class Simulation(RoundDefaults):
         return self._synchronous(state)
 
     def _synchronous(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
-        cohort = self.cohort(state, state.round)
+        ids, selection, recruited = self._recruit(state)
+        cohort = self.cohort(state, state.round, ids)
         if not len(cohort.ids):
-            return self._empty_round(state)
+            new, stats = self._empty_round(state)
+            if self.recruiter is not None:
+                selection, observed = self.recruiter.observe(selection, cohort.ids, {},
+                                                             state.round)
+                new, stats = new._replace(selection=selection), {**stats, **recruited,
+                                                                 **observed}
+            return new, stats
         download = self.download_bytes(state.server, cohort.ids, state.round)
         result = self.executor.run(state.server, cohort)
         weights = jnp.asarray(cohort.weights, jnp.float32)
         info = RoundInfo(jnp.int32(state.round), jnp.asarray(cohort.ids, jnp.int32),
                          weights / jnp.sum(weights), self.data.num_clients)
-        outputs = result.outputs if self.algorithm.aggregator.stacked else result.output_sum
-        server = self._server_update(state.server, outputs, weights, info)
+        agg = self.algorithm.aggregator
+        outputs = result.outputs if agg.stacked else result.output_sum
+        report = {}
+        if self.recruiter is not None and agg.stacked and agg.report is not None:
+            server, report = self._update_and_report(state.server, outputs, weights, info)
+        else:
+            server = self._server_update(state.server, outputs, weights, info)
         client_states = self._store_states(state.client_states, cohort.ids,
                                            result.client_states)
-        return (SimState(server, client_states, state.round + 1, state.timing),
-                {**self._statistics([result], cohort.ids), "download_bytes": download})
+        stats = {**self._statistics([result], cohort.ids), "download_bytes": download}
+        if self.recruiter is not None:
+            selection, observed = self.recruiter.observe(
+                selection, cohort.ids, jax.tree_util.tree_map(np.asarray, report),
+                state.round)
+            stats = {**stats, **recruited, **observed}
+        return (SimState(server, client_states, state.round + 1, state.timing, selection),
+                stats)
 
     def download_bytes(self, server: PyTree, ids: np.ndarray, round_index: int) -> float:
         """Bytes clients `ids` receive at round `round_index`: the algorithm's count, else

@@ -292,7 +292,8 @@ def make_round(cfg: ml_collections.ConfigDict, model: Any, variables: Any,
         if feature.needs_model(cfg):
             _check_model_view(algorithm, variables, num_classes, cfg, f"{key}={value!r}")
         try:
-            algorithm = feature.wrap(algorithm, build)
+            if feature.wrap is not None:  # recruitment changes who takes part, not how
+                algorithm = feature.wrap(algorithm, build)
             # Refusals that depend on the model (BatchNorm under DP) fail here.
             jax.eval_shape(algorithm.server_init, variables)
         except ValueError as e:

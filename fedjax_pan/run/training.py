@@ -296,8 +296,10 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                                                         + run.download
                                                         + stats.get("download_bytes", 0.0)),
                                **_per_client(stats),
-                               # simulated time and arrivals (stragglers: engine/timing.py)
-                               **{k: v for k, v in stats.items() if k.startswith("sim_")},
+                               # simulated time and arrivals (stragglers: engine/timing.py),
+                               # the round's recruits (recruitment: engine's Recruiter)
+                               **{k: v for k, v in stats.items()
+                                  if k.startswith(("sim_", "recruit_"))},
                                "seconds": time.time() - t0}
                         for name, probe in exp.probes.items():
                             row[name] = probe(evaluated, net)["accuracy"]
