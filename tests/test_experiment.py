@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT, signal_on_call
+from fedjax_pan import data
 from fedjax_pan.run import assembly, experiment, training
 from fedjax_pan.config import defaults
 from fedjax_pan.engine import count_compiles
@@ -510,3 +511,16 @@ def test_a_signal_after_a_round_ran_keeps_rows_and_checkpoints_consistent(tmp_pa
     straight = str(tmp_path / "straight")
     experiment.train(cfg, straight, progress=False)
     assert metrics(w) == metrics(straight)
+
+
+def test_noisy_clients_train_on_noisy_labels_and_everything_else_stays_clean():
+    exp = assembly.build(config(partition__noisy_share=0.5, partition__noise_rate=1.0,
+                                partition__test_fraction=0.2))
+    clean = np.asarray(exp.dataset.train_labels)
+    trained = np.asarray(exp.simulation.data.labels)
+    noisy = data.noisy_clients(len(exp.client_indices), 0.5, exp.config.seed)
+    for i, part in enumerate(exp.client_indices):
+        changed = np.sum(trained[part] != clean[part])
+        assert (changed > 0.5 * len(part)) if noisy[i] else changed == 0
+    for part in exp.test_indices:  # the clients' own test parts keep their labels
+        assert np.array_equal(trained[part], clean[part])

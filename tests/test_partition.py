@@ -6,6 +6,7 @@ import time
 import numpy as np
 import pytest
 
+from fedjax_pan import data
 from fedjax_pan.data.partition import (PartitionError, client_label_counts, partition,
                                        plot_label_distribution, stats_table)
 
@@ -336,3 +337,34 @@ def test_split_clients(fraction):
         assert not all(np.array_equal(a, b) for a, b in zip(test, other))
     with pytest.raises(ValueError, match="test_fraction"):
         split_clients(parts, 1.0, seed=1)
+
+
+def test_noisy_clients_are_a_seeded_share_the_same_for_every_rate():
+    a = data.noisy_clients(20, 0.4, seed=3)
+    assert a.dtype == bool and a.sum() == 8
+    assert np.array_equal(a, data.noisy_clients(20, 0.4, seed=3))
+    assert not np.array_equal(a, data.noisy_clients(20, 0.4, seed=4))
+    assert data.noisy_clients(20, 0.0, 3).sum() == 0 and data.noisy_clients(20, 1.0, 3).all()
+    with pytest.raises(ValueError, match="1.5"):
+        data.noisy_clients(20, 1.5, 0)
+
+
+def test_noisy_labels_touch_only_a_rate_of_the_noisy_clients_parts():
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, size=4000)
+    parts = data.partition(labels, 10, "iid", seed=0, num_classes=10)
+    for rate in (0.0, 0.5, 1.0):
+        noisy_y, noisy = data.noisy_labels(labels, parts, 0.3, rate, seed=1, num_classes=10)
+        assert np.array_equal(noisy, data.noisy_clients(10, 0.3, 1)) and noisy.sum() == 3
+        for i, part in enumerate(parts):
+            changed = int(np.sum(noisy_y[part] != labels[part]))
+            if not noisy[i]:
+                assert changed == 0
+            else:
+                hit = round(rate * len(part))
+                # a redrawn label equals the old one with probability 1/10
+                assert 0.8 * hit <= changed <= hit
+        assert np.array_equal(noisy_y, data.noisy_labels(labels, parts, 0.3, rate, 1, 10)[0])
+    assert np.array_equal(labels, data.noisy_labels(labels, parts, 0.0, 1.0, 1, 10)[0])
+    with pytest.raises(ValueError, match="-0.1"):
+        data.noisy_labels(labels, parts, 0.3, -0.1, 1, 10)

@@ -42,7 +42,10 @@ def default_config() -> ml_collections.ConfigDict:
         "classes_per_client": placeholder(int), "min_size": placeholder(int), "balance": False,
         # > 0: each client keeps this share of its data as its own test set, and every
         # evaluation also scores each client on it (PFLlib 0.25, the PAN authors 0.2).
-        "test_fraction": 0.0})
+        "test_fraction": 0.0,
+        # Clients of unequal quality: a noisy_share of the clients (from the seed) have
+        # noise_rate of their training labels replaced by uniformly random ones.
+        "noisy_share": 0.0, "noise_rate": 0.5})
     c.local = ml_collections.ConfigDict({"epochs": 5.0, "batch_size": 64, "mode": "epochs",
                                          "local_steps": placeholder(int)})
     # warmup 'rounds' / 'steps' ramps the rate up over warmup_length of them; 'halving'

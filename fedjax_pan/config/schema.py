@@ -76,6 +76,8 @@ RULES: Dict[str, Rule] = {
     "partition.min_size": between(1, 1e9, integer=True, optional=True),
     "partition.balance": Rule(boolean),
     "partition.test_fraction": between(0, 1, hi_open=True),
+    "partition.noisy_share": between(0, 1),
+    "partition.noise_rate": between(0, 1),
     "local.epochs": between(0, 1000, lo_open=True),
     "local.batch_size": between(1, 1e6, integer=True),
     "local.mode": one_of(STEP_MODES),

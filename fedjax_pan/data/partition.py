@@ -379,6 +379,40 @@ def split_clients(parts: Sequence[np.ndarray], test_fraction: float, seed: int
     return train, test
 
 
+# A stream of the seed apart from the partition's and the test split's.
+_NOISE = 0x4E4F4953
+
+
+def noisy_clients(num_clients: int, share: float, seed: int) -> np.ndarray:
+    """(K,) bool: the round(share * K) clients whose training labels are noisy, drawn
+    from `seed` alone (the same clients for every noise rate)."""
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(f"noisy share must lie in [0, 1], got {share}")
+    rng = np.random.default_rng([seed, _NOISE])
+    chosen = rng.permutation(num_clients)[:int(round(share * num_clients))]
+    return np.isin(np.arange(num_clients), chosen)
+
+
+def noisy_labels(labels: Sequence[int] | np.ndarray, parts: Sequence[np.ndarray],
+                 share: float, rate: float, seed: int, num_classes: int | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(labels with noise, the noisy clients): on each of the `noisy_clients`, a `rate`
+    share of the examples in its part (round(rate * n) of them, drawn without replacement)
+    gets a label drawn uniformly from all classes (the true one included), as in studies of
+    clients of unequal quality. Other indices keep their labels. From `seed` alone."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"noise rate must lie in [0, 1], got {rate}")
+    y, n_cls = _as_labels(labels, num_classes)
+    noisy = noisy_clients(len(parts), share, seed)
+    out = y.copy()
+    rng = np.random.default_rng([seed, _NOISE, 1])
+    for i in np.flatnonzero(noisy):
+        part = np.asarray(parts[i], dtype=np.int64)
+        hit = rng.permutation(part)[:int(round(rate * len(part)))]
+        out[hit] = rng.integers(0, n_cls, size=len(hit))
+    return out.astype(y.dtype), noisy
+
+
 def client_label_counts(labels: Sequence[int] | np.ndarray, parts: Sequence[np.ndarray],
                         num_classes: int | None = None) -> np.ndarray:
     """Per-client label counts, an int64 array of shape (num_clients, num_classes)."""

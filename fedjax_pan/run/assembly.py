@@ -190,7 +190,12 @@ def build(cfg: ml_collections.ConfigDict,
         raise ConfigError(f"config.model.options {cfg.model.options.to_dict()} "
                           f"({cfg.model.name} on {ds.name}): {why}") from None
     train_x, test_x = _normalized(cfg, ds, cache)
-    client_data = ClientData.create(train_x, ds.train_labels, parts, ds.num_classes)
+    train_labels = ds.train_labels
+    if p.noisy_share > 0:
+        # Only the clients' training parts: test parts and the public set stay clean.
+        train_labels, _ = data_lib.noisy_labels(ds.train_labels, parts, p.noisy_share,
+                                                p.noise_rate, cfg.seed, ds.num_classes)
+    client_data = ClientData.create(train_x, train_labels, parts, ds.num_classes)
     work = LocalWork(cfg.local.batch_size, cfg.local.epochs, cfg.local.mode,
                      cfg.local.local_steps, _augment(cfg, ds))
     evaluate = make_evaluator(model, test_x, ds.test_labels, cfg.eval.batch_size,
