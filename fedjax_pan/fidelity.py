@@ -8,6 +8,7 @@ Kinds and where each declares its references (`fedjax_pan.references.Reference`)
     attack        `config.attack.kind`          `algorithms.attacks.REFERENCES`
     compression   `config.compression`          `compression.REFERENCES`
     privacy       `config.privacy`, sampling    `algorithms.dp.REFERENCES`
+    recruitment   `config.recruitment.policy`   `algorithms.recruitment.REFERENCES`
 
 A test that checks a method against its reference written independently carries
 `@pytest.mark.reference(kind, name, ...)`; `equivalence_tests` finds them by reading the
@@ -29,10 +30,10 @@ from fedjax_pan.algorithms.uploads import compression
 from fedjax_pan.algorithms import aggregation
 from fedjax_pan.algorithms.robust import attacks
 from fedjax_pan.algorithms.uploads import dp
-from fedjax_pan.algorithms import registry
+from fedjax_pan.algorithms import recruitment, registry
 from fedjax_pan.references import Reference
 
-KINDS = ("algorithm", "aggregation", "attack", "compression", "privacy")
+KINDS = ("algorithm", "aggregation", "attack", "compression", "privacy", "recruitment")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 DOC = os.path.join(ROOT, "docs", "FIDELITY.md")
@@ -57,6 +58,8 @@ def names(kind: str) -> Tuple[str, ...]:
         return tuple(m for m in compression.METHODS if m != "none") + compression.OPTIONS
     if kind == "privacy":
         return dp.MECHANISMS
+    if kind == "recruitment":
+        return tuple(p for p in recruitment.POLICIES if p != "none")
     raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
 
 
@@ -67,8 +70,8 @@ def _declared(kind: str) -> Dict[str, Reference]:
     if kind == "aggregation":
         return {k: e.reference for k, e in aggregation.RULES.items()
                 if e.reference is not None}
-    return {"attack": attacks.REFERENCES,
-            "compression": compression.REFERENCES, "privacy": dp.REFERENCES}[kind]
+    return {"attack": attacks.REFERENCES, "compression": compression.REFERENCES,
+            "privacy": dp.REFERENCES, "recruitment": recruitment.REFERENCES}[kind]
 
 
 def catalogue() -> List[Method]:

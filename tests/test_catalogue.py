@@ -16,7 +16,8 @@ from fedjax_pan.references import Reference
 from fedjax_pan.rules import between
 
 PAGE = {"algorithm": "algorithms.md", "aggregation": "aggregation.md",
-        "attack": "attacks.md", "compression": "transforms.md", "privacy": "transforms.md"}
+        "attack": "attacks.md", "compression": "transforms.md", "privacy": "transforms.md",
+        "recruitment": "recruitment.md"}
 
 
 @pytest.fixture(scope="module")

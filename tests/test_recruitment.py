@@ -125,6 +125,7 @@ def test_forgetting_favours_recent_rounds():
 
 # -- the auction ------------------------------------------------------------------------
 
+@pytest.mark.reference("recruitment", "fair")
 def test_auction_of_a_hand_solved_instance():
     # v = (2, 1, 3, 2), b = (1, 1, 2, 3), B = 10.
     # Order by b/v: client 0 (0.5), client 2 (2/3), client 1 (1), client 3 (1.5);
@@ -178,6 +179,7 @@ def test_auction_is_individually_rational_and_budget_feasible():
         assert np.all(r.payments <= share * (1 + 1e-12))
 
 
+@pytest.mark.reference("recruitment", "fair")
 def test_auction_is_truthful():
     rng = np.random.default_rng(3)
     checked = 0
@@ -292,6 +294,7 @@ def test_auction_floors_values_and_handles_edge_cases():
 
 # -- baseline and bid simulation --------------------------------------------------------
 
+@pytest.mark.reference("recruitment", "random")
 def test_random_baseline_stays_within_budget_and_is_reproducible():
     rng = np.random.default_rng(6)
     outcomes = set()

@@ -47,12 +47,17 @@ bids fit (paid their bids, not truthful); `draw_costs` and `strategic_bids` simu
 private per-round costs and marked-up bids.
 
 In a run (`config.recruitment`, `FEATURE`): the engine asks a `Recruiter` for each round's
-clients instead of sampling them. `policy='fair'` runs the auction on the estimated
-qualities, which the aggregation rule `auto_weights` feeds back (its learned weights);
-`policy='random'` is the baseline under the same budget. Each round's costs are drawn
-from (seed, round); a `strategic_share` of the clients, drawn once per seed, bid
-`markup` above their costs. Rows of metrics.jsonl gain the round's recruits, their bids,
-costs, payments and estimated and learned qualities, the money spent and left.
+clients instead of sampling them; `recruitment.policy` is one of
+
+    fair     the reverse auction on the estimated qualities, which the aggregation rule
+             auto_weights feeds back (its learned weights)
+    random   clients in a random order while their bids fit the budget, each paid its
+             bid (the baseline under the same budget)
+
+Each round's costs are drawn from (seed, round); a `strategic_share` of the clients, drawn
+once per seed, bid `markup` above their costs. Rows of metrics.jsonl gain the round's
+recruits, their bids, costs, payments and estimated and learned qualities, the money spent
+and left.
 """
 
 from __future__ import annotations
@@ -104,6 +109,17 @@ REFERENCE = Reference(
      "(1 + markup), and the random-order baseline `random_within_budget` are ours; the "
      "papers' cost model, settings and baselines are not in the available text"))
 
+
+RANDOM_REFERENCE = Reference(
+    "the baseline of budget-constrained recruitment (Deng et al., FAIR, INFOCOM 2021 / TPDS "
+    "2022, compare FAIR with recruiting within the same budget without quality): clients "
+    "in a uniformly random order, each taken while its bid fits what is left of the budget",
+    None,
+    ("the FAIR papers' full text was not available: the baselines' exact definitions are "
+     "ours",
+     "each winner is paid its bid (first-price): not truthful, a strategic client gains by "
+     "bidding above its cost, which `strategic_share` and `markup` simulate"))
+REFERENCES = {"fair": REFERENCE, "random": RANDOM_REFERENCE}
 
 class QualityState(NamedTuple):
     """Per-client quality history over K clients: `weighted_sum` = sum_s w_s q^s and
@@ -339,6 +355,6 @@ FEATURE = FeatureEntry(
             "markup above cost")
 
 
-__all__ = ["VALUE_FLOOR", "REFERENCE", "QualityState", "Recruitment", "quality_init",
+__all__ = ["VALUE_FLOOR", "REFERENCE", "RANDOM_REFERENCE", "REFERENCES", "QualityState", "Recruitment", "quality_init",
            "quality_update", "quality_estimate", "auction", "random_within_budget",
            "draw_costs", "strategic_bids", "POLICIES", "recruiter", "FEATURE"]

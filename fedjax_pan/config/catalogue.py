@@ -28,7 +28,7 @@ import sys
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from fedjax_pan import algorithms as algorithms_pkg
-from fedjax_pan.algorithms import aggregation, features, registry, shuffle
+from fedjax_pan.algorithms import aggregation, features, recruitment, registry, shuffle
 from fedjax_pan.algorithms.core import AlgorithmEntry
 from fedjax_pan.algorithms.robust import attacks
 from fedjax_pan.algorithms.uploads import compression, dp
@@ -317,11 +317,24 @@ def _transforms(tests: Mapping[Tuple[str, str], List[str]], defaults: Mapping[st
     return "\n".join(lines).rstrip() + "\n"
 
 
+def _recruitment(tests: Mapping[Tuple[str, str], List[str]], defaults: Mapping[str, Any]
+                 ) -> str:
+    lines = _header("Recruitment", "`algorithms.recruitment` (`POLICIES`, `REFERENCES`, "
+                    "its `FEATURE` and the module docstring's list of policies)")
+    lines += _feature_intro("recruitment", defaults, "`config.recruitment.policy` selects "
+                            "one. " + _line(_sentence(recruitment.__doc__)))
+    for name, ref in references("recruitment").items():
+        lines += _section(name, _listed(recruitment.__doc__, name), ref,
+                          tests.get(("recruitment", name), []), [])
+    return "\n".join(lines).rstrip() + "\n"
+
+
 _PAGES = (("algorithms.md", "Algorithms", "algorithm", "`config.algorithm`"),
           ("aggregation.md", "Aggregation rules", "aggregation", "`config.aggregation.rule`"),
           ("attacks.md", "Attacks", "attack", "`config.attack.kind`"),
           ("transforms.md#compression", "Compression", "compression", "`config.compression`"),
-          ("transforms.md#privacy", "Privacy", "privacy", "`config.privacy`"))
+          ("transforms.md#privacy", "Privacy", "privacy", "`config.privacy`"),
+          ("recruitment.md", "Recruitment", "recruitment", "`config.recruitment.policy`"))
 
 
 def _index() -> str:
@@ -347,7 +360,8 @@ def pages(tests_dir: str = TESTS) -> Dict[str, str]:
             "algorithms.md": _algorithms(tests, defaults),
             "aggregation.md": _aggregation(tests, defaults),
             "attacks.md": _attacks(tests, defaults),
-            "transforms.md": _transforms(tests, defaults)}
+            "transforms.md": _transforms(tests, defaults),
+            "recruitment.md": _recruitment(tests, defaults)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
