@@ -870,3 +870,119 @@ def test_flchain_smoke_writes_its_tables(tmp_path, capsys):
     assert all(float(r["consensus_seconds"]) == 0.0 for r in one)
     assert os.path.getsize(os.path.join(out, "flchain.png")) > 10_000
     assert "audit" in capsys.readouterr().out
+
+
+def test_fair_configs_and_rows():
+    """Every run of each preset is a valid config with what its variant names; the costs
+    the script prices all_clients at are the recruiter's; rows, utilities, the accuracy at
+    equal money and the summary are worked out by hand."""
+    from experiments import fair
+    from fedjax_pan.algorithms import recruitment
+    from fedjax_pan.run import experiment
+    for preset in ("cpu", "paper", "smoke"):
+        s = fair.PRESETS[preset]
+        for job in fair.jobs(s):
+            cfg = fair.run_config(s, job)
+            experiment.validate(cfg)
+            assert cfg.partition.noise_rate == job.noise_rate and cfg.eval.every == 1
+            assert cfg.recruitment.policy == {"fair": "fair", "fair_selection": "fair",
+                                              "all_clients": "none"}.get(job.variant,
+                                                                         "random")
+            assert (cfg.aggregation.rule == "auto_weights") == (
+                job.variant in ("fair", "fair_selection", "auto_weights_random"))
+            assert cfg.aggregation.auto_weights.apply == (job.variant != "fair_selection")
+            assert cfg.aggregation.weights == "num_examples"
+    s = fair.PRESETS["cpu"]
+    assert len(fair.jobs(s)) == 5 * 3 * 5
+    # The recruiter records its winners' costs of the round: round_costs draws the same.
+    cfg = fair.run_config(s, fair.Job("random_budget", 0.5, 3))
+    rec = recruitment.recruiter(cfg.recruitment, cfg.seed)
+    ids, _, fields = rec.select(rec.init(20), 7)
+    costs, bids = fair.round_costs(cfg, 7, 20)
+    np.testing.assert_array_equal(fields["recruit_costs"], costs[ids])
+    np.testing.assert_array_equal(fields["recruit_bids"], bids[ids])
+    assert 0 < (bids > costs).sum() < 20  # some clients strategic, not all
+
+    noisy = np.array([True, False, False, True])
+    curve = [{"round": 1, "test_accuracy": 0.4, "recruit_clients": [0, 1],
+              "recruit_payments": [1.5, 2.0], "recruit_costs": [1.0, 1.5],
+              "recruit_spent_total": 3.5},
+             {"round": 2, "test_accuracy": 0.6, "recruit_clients": [1, 2, 3],
+              "recruit_payments": [1.0, 1.0, 2.0], "recruit_costs": [1.0, 0.5, 1.5],
+              "recruit_spent_total": 7.5}]
+    rows = fair.curve_rows(curve, noisy)
+    assert [(r["spent_total"], r["recruited"], r["noisy_share_selected"]) for r in rows] == [
+        (3.5, 2, 0.5), (7.5, 3, pytest.approx(1 / 3))]
+    utility, count = fair.client_utilities(curve, 4)
+    np.testing.assert_allclose(utility, [0.5, 0.5, 0.5, 0.5])
+    np.testing.assert_array_equal(count, [1, 2, 1, 1])
+    strategic = np.array([False, False, True, False])
+    job = fair.Job("fair", 0.5, 0)
+    one = fair.run_summary(job, rows, np.array([1.0, 2.0, 3.0, 5.0]), noisy, strategic)
+    assert one["final_accuracy"] == pytest.approx(0.5) and one["spent_total"] == 7.5
+    assert one["noisy_selected"] == pytest.approx(2 / 5)  # client 0, then client 3
+    assert (one["utility_truthful"], one["utility_strategic"]) == (pytest.approx(8 / 3), 3.0)
+    assert (one["utility_noisy"], one["utility_clean"]) == (3.0, 2.5)
+    # Without recruitment: every client every round, priced at every client's cost.
+    everyone = fair.curve_rows([{"round": 1, "test_accuracy": 0.3},
+                                {"round": 2, "test_accuracy": 0.5}], noisy, [6.0, 5.0])
+    assert [(r["spent_total"], r["recruited"], r["noisy_share_selected"])
+            for r in everyone] == [(6.0, 4, 0.5), (11.0, 4, 0.5)]
+    assert fair.client_utilities([{"round": 1}], 4)[1].tolist() == [1, 1, 1, 1]
+    assert fair.accuracy_at(everyone, 7.5) == 0.3 and math.isnan(fair.accuracy_at(everyone, 5))
+    other = dict(one, variant="all_clients", spent_total=11.0, final_accuracy=0.4)
+    runs = fair.with_equal_money([one, other], [rows, everyone])
+    assert [r["equal_money"] for r in runs] == [7.5, 7.5]
+    assert [r["accuracy_at_equal_money"] for r in runs] == [0.6, 0.3]
+    seed1 = dict(runs[0], seed=1, final_accuracy=0.7, utility_strategic=float("nan"))
+    table = {r["variant"]: r for r in fair.summarize([*runs, seed1])}
+    assert table["fair"]["seeds"] == 2 and table["all_clients"]["seeds"] == 1
+    assert table["fair"]["final_accuracy"] == pytest.approx(0.6)
+    assert table["fair"]["final_accuracy_std"] == pytest.approx(0.1)
+    assert table["fair"]["utility_strategic"] == 3.0  # a seed without strategic clients
+
+
+@pytest.mark.slow  # about 20 s
+def test_fair_smoke_writes_its_tables(tmp_path, capsys):
+    from experiments import fair
+    from fedjax_pan import data as data_lib
+    out = str(tmp_path / "f")
+    assert fair.main(["--out", out, "--preset", "smoke", "--no-progress"]) == 0
+    s = fair.PRESETS["smoke"]
+    rounds = common.read_csv(os.path.join(out, "rounds.csv"))
+    clients = common.read_csv(os.path.join(out, "clients.csv"))
+    table = {r["variant"]: r for r in common.read_csv(os.path.join(out, "summary.csv"))}
+    assert len(rounds) == len(fair.jobs(s)) * s.rounds and set(table) == set(fair.VARIANTS)
+    noisy = data_lib.noisy_clients(s.clients, s.noisy_share, 0)
+    curves = {}
+    for job in fair.jobs(s):
+        curve = curves[job.variant] = common.read_curve(os.path.join(out, "runs", job.name))
+        mine = [r for r in rounds if r["variant"] == job.variant]
+        assert float(table[job.variant]["final_accuracy"]) == pytest.approx(
+            np.mean([c["test_accuracy"] for c in curve[-5:]]))
+        utility = {int(c["client"]): float(c["utility"]) for c in clients
+                   if c["variant"] == job.variant}
+        if job.variant == "all_clients":  # every cost of every round paid, nothing more
+            cfg = fair.run_config(s, job)
+            money = sum(fair.round_costs(cfg, r, s.clients)[0].sum() for r in range(s.rounds))
+            assert float(mine[-1]["spent_total"]) == pytest.approx(money)
+            assert set(utility.values()) == {0.0}
+            continue
+        gain = np.zeros(s.clients)
+        for c, r in zip(curve, mine):  # within budget; the noisy share of the recruits
+            assert c["recruit_spent"] <= s.budget + 1e-9 and c["recruit_count"] > 0
+            ids = c["recruit_clients"]
+            assert float(r["noisy_share_selected"]) == pytest.approx(noisy[ids].mean())
+            np.add.at(gain, ids, np.subtract(c["recruit_payments"], c["recruit_costs"]))
+        np.testing.assert_allclose([utility[i] for i in range(s.clients)], gain)
+        truthful = [utility[int(c["client"])] for c in clients
+                    if c["variant"] == job.variant and c["strategic"] == "False"]
+        if job.variant.startswith("fair"):  # individually rational: truthful bids never lose
+            assert min(truthful) >= 0 and max(truthful) > 0
+        else:  # paid their bids, which are their costs
+            assert set(truthful) == {0.0}
+    # The random order and its budget are shared: both random variants recruit alike.
+    assert [c["recruit_clients"] for c in curves["random_budget"]] == [
+        c["recruit_clients"] for c in curves["auto_weights_random"]]
+    assert os.path.getsize(os.path.join(out, "fair.png")) > 10_000
+    assert "at equal $" in capsys.readouterr().out

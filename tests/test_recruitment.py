@@ -370,7 +370,7 @@ def test_fair_recruiter_runs_the_auction_on_the_estimates_within_the_budget():
     ids, new, fields = r.select(state, 7)
     again, _, _ = r.select(state, 7)  # pure: a resumed run recruits the same clients
     assert ids.tolist() == again.tolist() == fields["recruit_clients"]
-    costs, bids = rc._bids(_options(strategic_share=0.5, markup=0.5), 3, 7, 12)
+    costs, bids = rc.round_bids(_options(strategic_share=0.5, markup=0.5), 3, 7, 12)
     assert set(np.round(bids / costs, 12)) == {1.0, 1.5}  # strategic clients ask 50% more
     want = rc.auction(bids, np.ones(12), 5.0)  # no history: every estimate is the prior
     assert ids.tolist() == want.winners.tolist()

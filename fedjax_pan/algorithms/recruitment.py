@@ -263,13 +263,20 @@ _COSTS, _STRATEGIC, _ORDER = 0x46414952, 0x46414953, 0x46414954
 POLICIES = ("none", "fair", "random")
 
 
-def _bids(options: Any, seed: int, round_index: int, num_clients: int
-          ) -> Tuple[np.ndarray, np.ndarray]:
-    """(costs, bids) of every client in round `round_index`."""
+def strategic_clients(options: Any, seed: int, num_clients: int) -> np.ndarray:
+    """(K,) bool: the clients that bid `options.markup` above their costs, each with
+    probability `options.strategic_share`, drawn once from `seed`."""
+    return (np.random.default_rng([seed, _STRATEGIC]).random(num_clients)
+            < options.strategic_share)
+
+
+def round_bids(options: Any, seed: int, round_index: int, num_clients: int
+               ) -> Tuple[np.ndarray, np.ndarray]:
+    """(costs, bids) of every client in round `round_index` of a run of `seed` under
+    `config.recruitment` (`options`): what its recruiter sees, whatever its policy."""
     costs = draw_costs(np.random.default_rng([seed, _COSTS, round_index]), num_clients,
                        options.cost_low, options.cost_high)
-    strategic = (np.random.default_rng([seed, _STRATEGIC]).random(num_clients)
-                 < options.strategic_share)
+    strategic = strategic_clients(options, seed, num_clients)
     return costs, strategic_bids(costs, np.where(strategic, options.markup, 0.0))
 
 
@@ -292,7 +299,7 @@ def recruiter(options: Any, seed: int) -> Recruiter:
 
     def select(state, round_index):
         q = quality_estimate(_quality(state), options.prior)
-        costs, bids = _bids(options, seed, round_index, q.shape[0])
+        costs, bids = round_bids(options, seed, round_index, q.shape[0])
         if options.policy == "fair":
             won = auction(bids, q, options.budget)
         else:
@@ -357,4 +364,5 @@ FEATURE = FeatureEntry(
 
 __all__ = ["VALUE_FLOOR", "REFERENCE", "RANDOM_REFERENCE", "REFERENCES", "QualityState", "Recruitment", "quality_init",
            "quality_update", "quality_estimate", "auction", "random_within_budget",
-           "draw_costs", "strategic_bids", "POLICIES", "recruiter", "FEATURE"]
+           "draw_costs", "strategic_bids", "strategic_clients", "round_bids", "POLICIES",
+           "recruiter", "FEATURE"]
