@@ -469,3 +469,36 @@ def test_fair_from_a_config_logs_its_recruits_and_resumes_exactly(tmp_path):
         assert sum(row["recruit_learned"]) == pytest.approx(row["recruit_count"], rel=1e-5)
         total += row["recruit_spent"]
         assert row["recruit_spent_total"] == pytest.approx(total)
+
+
+@pytest.mark.parametrize("flag,named", [
+    ("--config.recruitment.budget=-1", "config.recruitment.budget"),
+    ("--config.recruitment.forgetting=0", "config.recruitment.forgetting"),
+    ("--config.recruitment.policy=auction", "config.recruitment.policy"),
+    ("--config.aggregation.auto_weights.steps=0", "config.aggregation.auto_weights.steps"),
+])
+def test_a_bad_value_on_the_command_line_is_one_error_line_and_exit_2(tmp_path, capsys, flag,
+                                                                      named):
+    from fedjax_pan.run import main
+    workdir = tmp_path / "w"
+    assert main.main(["prog", "--config=configs/fmnist_mlp.py:smoke", f"--workdir={workdir}",
+                      "--config.recruitment.policy=fair",
+                      "--config.aggregation.rule=auto_weights", flag]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and named in err[0], err
+    assert not workdir.exists()
+
+
+@pytest.mark.slow  # two short runs
+def test_fair_composes_with_attacks_and_compression(tmp_path):
+    import json
+    import os
+    from fedjax_pan.run import experiment
+    for name, changes in (("attack", dict(attack__kind="model_poisoning", attack__fraction=0.3)),
+                          ("compression", dict(compression__upload__method="top_k"))):
+        workdir = str(tmp_path / name)
+        experiment.train(_config(rounds=3, **changes), workdir, progress=False)
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+        assert len(rows) == 3 and all(r["recruit_spent"] <= 6.0 + 1e-9 for r in rows)
+        assert all(len(r["recruit_learned"]) == r["recruit_count"] for r in rows)
