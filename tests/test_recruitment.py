@@ -443,6 +443,7 @@ def test_settings_recruitment_cannot_run_with_are_refused_in_one_line(tmp_path, 
     assert not workdir.exists()
 
 
+@pytest.mark.slow  # two runs and a resume (the engine's saved and restored selection: default run)
 def test_fair_from_a_config_logs_its_recruits_and_resumes_exactly(tmp_path):
     import json
     import os
