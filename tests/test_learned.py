@@ -179,6 +179,18 @@ def test_the_rule_refuses_no_steps_and_builds_from_a_config():
     np.testing.assert_allclose(got["params"]["Dense_0"]["bias"],
                                learned.mix(models, alpha)["params"]["Dense_0"]["bias"],
                                rtol=1e-5, atol=1e-6)
+    # `report` is finalize and the learned weights from one descent.
+    mixed, found = jax.jit(rule.report)(models, weights, arrivals)
+    np.testing.assert_allclose(mixed["params"]["Dense_0"]["bias"],
+                               got["params"]["Dense_0"]["bias"], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(found["weights"], alpha, rtol=1e-5, atol=1e-6)
+    # apply=False reports the learned weights and mixes with the round's own.
+    plain = learned.auto_weights(3, 1.0, robust.public_scorer(Hidden(), x, y), apply=False)
+    mixed, found = jax.jit(plain.report)(models, weights, arrivals)
+    np.testing.assert_allclose(mixed["params"]["Dense_0"]["bias"],
+                               learned.mix(models, weights)["params"]["Dense_0"]["bias"],
+                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(found["weights"], alpha, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow

@@ -100,9 +100,11 @@ class Aggregator(NamedTuple):
     client trained from) and turns the model it returns back into an output against the
     current server (`to_output`). `score(variables) -> {name: scalar}` is computed for each
     client's model when its output is made (SageFlow's loss and entropy on public data) and
-    reaches `finalize` in `arrivals.scores`. `report(entries, weights, arrivals) -> {name:
-    (N,)}` (stacked rules only) says what the rule found about each client of the round
-    (the weights FAIR's rule learned); the engine hands it to its `Recruiter`.
+    reaches `finalize` in `arrivals.scores`. `report(entries, weights, arrivals)` (stacked
+    rules only) is `finalize` that also says what the rule found about each client of the
+    round: (what `finalize` returns, {name: (N,)}), e.g. the weights FAIR's rule learned,
+    computed once for both; the engine calls it instead of `finalize` when its `Recruiter`
+    needs the report.
     """
 
     finalize: Callable[..., PyTree]
@@ -113,7 +115,7 @@ class Aggregator(NamedTuple):
     # zero sum and total weight 0 (DP-FedAvg's fixed denominator adds its noise); False:
     # the server stays as it was.
     closes_empty: bool = False
-    report: Optional[Callable[..., Dict[str, Any]]] = None
+    report: Optional[Callable[..., Tuple[PyTree, Dict[str, Any]]]] = None
 
 
 class Recruiter(NamedTuple):
@@ -224,12 +226,18 @@ def stacked_entries(algorithm: FederatedAlgorithm, server: PyTree, outputs: PyTr
 
 
 def stacked_aggregate(algorithm: FederatedAlgorithm, server: PyTree, entries: PyTree,
-                      weights: Any, arrivals: Arrivals) -> PyTree:
+                      weights: Any, arrivals: Arrivals, report: bool = False) -> PyTree:
     """The stacked aggregator's `aggregate` for `server_update(server, ...)` from
-    `stacked_entries`' entries (a model-space rule's model becomes an output)."""
+    `stacked_entries`' entries (a model-space rule's model becomes an output); with
+    `report`, (aggregate, the aggregator's report) from one call of its `report`."""
     agg = algorithm.aggregator
-    combined = agg.finalize(entries, weights, arrivals)
-    return algorithm.model_view.to_output(server, combined) if agg.space == "model" else combined
+    if report:
+        combined, found = agg.report(entries, weights, arrivals)
+    else:
+        combined, found = agg.finalize(entries, weights, arrivals), None
+    aggregate = (algorithm.model_view.to_output(server, combined) if agg.space == "model"
+                 else combined)
+    return (aggregate, found) if report else aggregate
 
 
 def tree_bytes(tree: PyTree) -> int:

@@ -333,8 +333,8 @@ class Simulation(RoundDefaults):
         """The server update and the stacked aggregator's `report` of the round."""
         del weights  # a stacked rule reads the normalised weights of `info`
         entries, arrivals = self._stacked_round(server, outputs, info)
-        aggregate = stacked_aggregate(self.algorithm, server, entries, info.weights, arrivals)
-        report = self.algorithm.aggregator.report(entries, info.weights, arrivals)
+        aggregate, report = stacked_aggregate(self.algorithm, server, entries, info.weights,
+                                              arrivals, report=True)
         return self.algorithm.server_update(server, aggregate, info), report
 
     def client_updates(self, state: SimState) -> list:

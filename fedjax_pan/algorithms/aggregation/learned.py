@@ -60,10 +60,10 @@ def auto_weights(steps: int, lr: float,
                  score: Callable[[PyTree], Dict[str, jax.Array]],
                  apply: bool = True) -> Aggregator:
     """The models mixed with the weights `learn_weights` learns in `steps` steps of rate
-    `lr` on the public 'loss' that `score` gives (`robust.public_scorer`); its `report` is
-    {'weights': alpha}, what FAIR reads each client's quality from. `apply=False` learns
-    and reports the weights but mixes with the round's own (FAIR's quality estimate
-    without its aggregation)."""
+    `lr` on the public 'loss' that `score` gives (`robust.public_scorer`); its `report`
+    adds {'weights': alpha}, what FAIR reads each client's quality from, learned once.
+    `apply=False` learns and reports the weights but mixes with the round's own (FAIR's
+    quality estimate without its aggregation)."""
     if steps < 1 or not lr > 0:
         raise ValueError(f"auto_weights needs steps >= 1 and lr > 0, got steps = {steps}, "
                          f"lr = {lr}")
@@ -71,16 +71,13 @@ def auto_weights(steps: int, lr: float,
     def loss_fn(variables):
         return score(variables)["loss"]
 
-    def learned(models, weights):
-        return learn_weights(models, weights, loss_fn, steps, lr)
+    def report(models, weights, arrivals=None):
+        del arrivals  # only the arrived models and their weights enter
+        alpha = learn_weights(models, weights, loss_fn, steps, lr)
+        return mix(models, alpha if apply else weights), {"weights": alpha}
 
     def finalize(models, weights, arrivals=None):
-        del arrivals  # only the arrived models and their weights enter
-        return mix(models, learned(models, weights) if apply else weights)
-
-    def report(models, weights, arrivals=None):
-        del arrivals
-        return {"weights": learned(models, weights)}
+        return report(models, weights, arrivals)[0]
     # No `score` on the Aggregator: the clients' own public losses are not needed, only
     # the mixed model's, inside `finalize`.
     return Aggregator(finalize, stacked=True, space="model", report=report)
