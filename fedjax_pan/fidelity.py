@@ -31,6 +31,7 @@ from fedjax_pan.algorithms import aggregation
 from fedjax_pan.algorithms.robust import attacks
 from fedjax_pan.algorithms.uploads import dp
 from fedjax_pan.algorithms import recruitment, registry
+from fedjax_pan.config.document import pages_command
 from fedjax_pan.references import Reference
 
 KINDS = ("algorithm", "aggregation", "attack", "compression", "privacy", "recruitment")
@@ -157,23 +158,9 @@ def table(tests_dir: str = TESTS) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Prints the table, or with --write writes docs/FIDELITY.md, or with --help (-h) what
     it does; anything else is one error line and exit 2."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    usage = (f"usage: python -m fedjax_pan.fidelity [--write] (prints the fidelity table, or "
-             f"writes {os.path.relpath(DOC, ROOT)})")
-    if "--help" in argv or "-h" in argv:
-        print(f"{usage}\n\n{__doc__ or ''}".rstrip())
-        return 0
-    if argv not in ([], ["--write"]):
-        print(f"error: unexpected arguments {argv}; {usage}", file=sys.stderr)
-        return 2
-    text = table()
-    if not argv:
-        print(text)
-        return 0
-    with open(DOC, "w", encoding="utf-8") as f:
-        f.write(text)
-    print(f"wrote {DOC}")
-    return 0
+    return pages_command(sys.argv[1:] if argv is None else argv, "fedjax_pan.fidelity",
+                         __doc__, f"the fidelity table ({os.path.relpath(DOC, ROOT)})",
+                         lambda: {DOC: table()})
 
 
 if __name__ == "__main__":

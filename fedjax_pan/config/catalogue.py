@@ -34,16 +34,13 @@ from fedjax_pan.algorithms.robust import attacks
 from fedjax_pan.algorithms.uploads import compression, dp
 from fedjax_pan.config import schema
 from fedjax_pan.config.defaults import default_config
-from fedjax_pan.config.document import _Invalid, _want
+from fedjax_pan.config.document import _Invalid, _want, pages_command
 from fedjax_pan import fidelity
 from fedjax_pan.references import Reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIR = os.path.join(ROOT, "docs", "catalogue")
-TESTS = os.path.join(ROOT, "tests")
 COMMAND = "python -m fedjax_pan.config.catalogue"
-USAGE = (f"usage: {COMMAND} [--write] (prints the catalogue's pages, or writes them under "
-         f"{os.path.relpath(DIR, ROOT)}/)")
 # Words whose trailing period does not end a sentence.
 _ABBREVIATIONS = {"al", "e.g", "i.e", "eq", "eqs", "alg", "sect", "thm", "fig", "vs", "cf"}
 _CODE = re.compile(r"(`+)(.+?)\1")
@@ -352,7 +349,7 @@ def _index() -> str:
     return "\n".join(lines) + "\n"
 
 
-def pages(tests_dir: str = TESTS) -> Dict[str, str]:
+def pages(tests_dir: str = fidelity.TESTS) -> Dict[str, str]:
     """docs/catalogue/'s file names -> their Markdown."""
     tests = fidelity.equivalence_tests(tests_dir)
     defaults = dict(schema.leaves(default_config()))
@@ -367,25 +364,10 @@ def pages(tests_dir: str = TESTS) -> Dict[str, str]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Prints the pages, or with --write writes them; --help prints the usage; anything
     else is one error line and exit 2."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv in (["--help"], ["-h"]):
-        print(USAGE)
-        return 0
-    if argv not in ([], ["--write"]):
-        print(f"error: unexpected arguments {argv}; {USAGE}", file=sys.stderr)
-        return 2
-    out = pages()
-    if not argv:
-        for name, text in out.items():
-            print(f"<!-- {os.path.relpath(os.path.join(DIR, name), ROOT)} -->")
-            print(text)
-        return 0
-    os.makedirs(DIR, exist_ok=True)
-    for name, text in out.items():
-        with open(os.path.join(DIR, name), "w", encoding="utf-8") as f:
-            f.write(text)
-        print(f"wrote {os.path.join(DIR, name)}")
-    return 0
+    return pages_command(
+        sys.argv[1:] if argv is None else argv, "fedjax_pan.config.catalogue", __doc__,
+        f"the catalogue's pages ({os.path.relpath(DIR, ROOT)}/)",
+        lambda: {os.path.join(DIR, name): text for name, text in pages().items()})
 
 
 if __name__ == "__main__":

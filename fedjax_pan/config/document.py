@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from fedjax_pan.algorithms import aggregation, features, registry
 from fedjax_pan.config import schema
@@ -86,23 +86,38 @@ def page() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    usage = "usage: python -m fedjax_pan.config.document [--write]"
+def pages_command(argv: Sequence[str], prog: str, doc: Optional[str], what: str,
+                  pages: Callable[[], Dict[str, str]]) -> int:
+    """The command line of a generated page: prints `pages()` ({path: Markdown}; several
+    each under an HTML comment naming it), `--write` writes each to its path,
+    `--help` (`-h`) prints the usage and `doc`; anything else is one error line and exit 2.
+    `what`: what it prints, for the usage line."""
+    argv = list(argv)
+    usage = f"usage: python -m {prog} [--write] (prints {what}, or writes it)"
     if "--help" in argv or "-h" in argv:
-        print(f"{usage}\n\n{__doc__ or ''}".rstrip())
+        print(f"{usage}\n\n{doc or ''}".rstrip())
         return 0
     if argv not in ([], ["--write"]):
         print(f"error: unexpected arguments {argv}; {usage}", file=sys.stderr)
         return 2
-    text = page()
-    if argv:
-        with open(DOC, "w") as f:
-            f.write(text)
-        print(f"wrote {DOC}")
-    else:
-        print(text, end="")
+    out = pages()
+    for path, text in out.items():
+        if argv:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+            print(f"wrote {path}")
+            continue
+        if len(out) > 1:
+            print(f"<!-- {os.path.relpath(path, ROOT)} -->")
+        print(text, end="" if text.endswith("\n") else "\n")
     return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return pages_command(sys.argv[1:] if argv is None else argv, "fedjax_pan.config.document",
+                         __doc__, f"the config keys' page ({os.path.relpath(DOC, ROOT)})",
+                         lambda: {DOC: page()})
 
 
 if __name__ == "__main__":
