@@ -215,12 +215,12 @@ class Simulation(RoundDefaults):
         return sampled_clients(self.seed, self.data.num_clients, self.participation,
                                self.sampling, round_index)
 
-    def _recruit(self, state: SimState) -> tuple:
-        """(ids, selection state, row fields) of round `state.round`: the recruiter's
-        choice, or the sampled cohort."""
+    def _recruit(self, selection: PyTree, round_index: int) -> tuple:
+        """(ids, selection state after choosing, row fields) of round `round_index`: the
+        recruiter's choice from its state `selection`, or the sampled cohort."""
         if self.recruiter is None:
-            return self.sample(state.round), state.selection, {}
-        ids, selection, fields = self.recruiter.select(state.selection, state.round)
+            return self.sample(round_index), selection, {}
+        ids, selection, fields = self.recruiter.select(selection, round_index)
         return np.asarray(ids, np.int64), selection, fields
 
     def evaluation(self, server: PyTree) -> tuple:
@@ -306,8 +306,7 @@ class Simulation(RoundDefaults):
                ids: Optional[np.ndarray] = None) -> Cohort:
         """Round `round_index`'s cohort: its sampled (or recruited) clients, or `ids`."""
         if ids is None:
-            ids = (self.sample(round_index) if self.recruiter is None else
-                   np.asarray(self.recruiter.select(state.selection, round_index)[0], np.int64))
+            ids = self._recruit(state.selection, round_index)[0]
         return Cohort(ids, self.steps[ids], self._weights(ids),
                       client_keys(self._data_key, round_index, ids),
                       client_keys(self._algo_key, round_index, ids),
@@ -381,16 +380,13 @@ class Simulation(RoundDefaults):
         return self._synchronous(state)
 
     def _synchronous(self, state: SimState) -> tuple[SimState, Dict[str, float]]:
-        ids, selection, recruited = self._recruit(state)
+        ids, selection, recruited = self._recruit(state.selection, state.round)
         cohort = self.cohort(state, state.round, ids)
         if not len(cohort.ids):
             new, stats = self._empty_round(state)
-            if self.recruiter is not None:
-                selection, observed = self.recruiter.observe(selection, cohort.ids, {},
-                                                             state.round)
-                new, stats = new._replace(selection=selection), {**stats, **recruited,
-                                                                 **observed}
-            return new, stats
+            selection, stats = self._observed(selection, cohort.ids, {}, state.round, stats,
+                                              recruited)
+            return new._replace(selection=selection), stats
         download = self.download_bytes(state.server, cohort.ids, state.round)
         result = self.executor.run(state.server, cohort)
         weights = jnp.asarray(cohort.weights, jnp.float32)
@@ -405,14 +401,21 @@ class Simulation(RoundDefaults):
             server = self._server_update(state.server, outputs, weights, info)
         client_states = self._store_states(state.client_states, cohort.ids,
                                            result.client_states)
-        stats = {**self._statistics([result], cohort.ids), "download_bytes": download}
-        if self.recruiter is not None:
-            selection, observed = self.recruiter.observe(
-                selection, cohort.ids, jax.tree_util.tree_map(np.asarray, report),
-                state.round)
-            stats = {**stats, **recruited, **observed}
+        selection, stats = self._observed(
+            selection, cohort.ids, jax.tree_util.tree_map(np.asarray, report), state.round,
+            {**self._statistics([result], cohort.ids), "download_bytes": download}, recruited)
         return (SimState(server, client_states, state.round + 1, state.timing, selection),
                 stats)
+
+    def _observed(self, selection: PyTree, ids: np.ndarray, report: Dict[str, Any],
+                  round_index: int, stats: Dict[str, Any], recruited: Dict[str, Any]
+                  ) -> tuple:
+        """(the recruiter's state once it has seen the round's `report`, the round's
+        statistics with its fields); without a recruiter, both as they are."""
+        if self.recruiter is None:
+            return selection, stats
+        selection, observed = self.recruiter.observe(selection, ids, report, round_index)
+        return selection, {**stats, **recruited, **observed}
 
     def download_bytes(self, server: PyTree, ids: np.ndarray, round_index: int) -> float:
         """Bytes clients `ids` receive at round `round_index`: the algorithm's count, else
