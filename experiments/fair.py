@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from types import MappingProxyType
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -258,8 +259,6 @@ SUMMED = ("final_accuracy", "spent_total", "recruited_per_round", "noisy_selecte
 def summarize(runs: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """Per variant and noise rate: the mean over seeds of each figure (NaN-aware: a group
     with no member, e.g. no strategic client, is left out), and the accuracy's std."""
-    import warnings
-
     out = []
     for key in dict.fromkeys((r["variant"], r["noise_rate"]) for r in runs):
         mine = [r for r in runs if (r["variant"], r["noise_rate"]) == key]
@@ -281,11 +280,11 @@ def run_rows(job: Job, cfg: Any, summary: Dict[str, Any], curve: Sequence[Dict[s
              ) -> Tuple[List[Dict[str, Any]], Dict[str, Any], List[Dict[str, Any]]]:
     """(round rows, run summary, client rows) of one finished run."""
     from fedjax_pan import data as data_lib
+    from fedjax_pan.algorithms import recruitment
 
     # The split may drop clients too small to keep (a diverged run's summary has no count).
     k = int(summary.get("num_clients", cfg.partition.num_clients))
     noisy = data_lib.noisy_clients(k, cfg.partition.noisy_share, job.seed)
-    from fedjax_pan.algorithms import recruitment
     strategic = recruitment.strategic_clients(cfg.recruitment, cfg.seed, k)
     everyone = ([float(round_costs(cfg, r["round"] - 1, k)[0].sum()) for r in curve]
                 if cfg.recruitment.policy == "none" else None)
