@@ -28,8 +28,8 @@ import os
 import sys
 import time
 from types import MappingProxyType
-from typing import (Any, Callable, Dict, Iterable, List, Mapping, NoReturn, Optional, Sequence,
-                    Tuple)
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, NoReturn, Optional,
+                    Sequence, Tuple)
 
 import numpy as np
 
@@ -141,9 +141,11 @@ def run_script(module: str, doc: Optional[str], presets: Mapping[str, Any],
     ctx = Context(args.out, args.seed or 0, args.preset, args.progress, args.resume)
     start = time.time()
     try:
-        # SIGTERM (a scheduler's time limit) unwinds as Ctrl-C does: the run in progress
-        # saves its last round, and `claim` says what is kept and how to continue.
-        with workdir.sigterm_unwinds():
+        # SIGINT and SIGTERM (a scheduler's time limit) take effect at safe points (between
+        # rounds, clients, runs, items of a progress bar): the run in progress saves its
+        # last round, and `claim` says what is kept and how to continue. One after the
+        # last safe point is raised as the block ends: the status is never 0 after one.
+        with workdir.interrupts_at_safe_points():
             # The library's workdir semantics: --overwrite replaces the old results only
             # once this run has written its own.
             with workdir.claim(args.out, overwrite=args.overwrite, resume=args.resume):
@@ -263,8 +265,10 @@ def train_runs(ctx: Context, jobs: Sequence[Tuple[str, Any]]
                ) -> List[Tuple[Dict[str, Any], bool, List[Dict[str, Any]]]]:
     """Each (name, config) trained in order into runs/<name>/ (`train_run`): its summary,
     whether it diverged, and its metrics rows."""
+    from fedjax_pan import workdir
     out = []
     for n, (name, cfg) in enumerate(jobs, start=1):
+        workdir.raise_pending_signal()
         run_dir = ctx.path(os.path.join("runs", name))
         summary, diverged = train_run(cfg, run_dir, ctx, f"[{n}/{len(jobs)}] {name}")
         out.append((summary, diverged, read_curve(run_dir)))
@@ -286,6 +290,7 @@ def seed_result(ctx: Context, seed: int, settings: Any,
     settings it ran under. With --resume a seed already there for the same settings (its
     `seeds` field aside, so seeds run apart can be gathered in one folder) is read back,
     not computed again."""
+    from fedjax_pan import workdir
     path = ctx.path(os.path.join("seeds", f"s{seed}.json"))
     key = {k: v for k, v in settings_key(settings).items() if k != "seeds"}
     if ctx.resume and os.path.isfile(path):
@@ -293,6 +298,7 @@ def seed_result(ctx: Context, seed: int, settings: Any,
             saved = json.load(f)
         if saved.get("settings") == key:
             return saved["result"]
+    workdir.raise_pending_signal()
     result = jsonable(compute())
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_json(path, {"seed": seed, "settings": key, "result": result})
@@ -379,8 +385,18 @@ def save_figure(fig: Any, path: str, dpi: int = 100) -> str:
     return path
 
 
-def progress(iterable: Iterable, enabled: bool, desc: str = "", total: Optional[int] = None):
-    """tqdm over `iterable` (silent when disabled)."""
+def progress(iterable: Iterable, enabled: bool, desc: str = "", total: Optional[int] = None
+             ) -> Iterator:
+    """`iterable` under a progress bar (silent when disabled); a SIGINT/SIGTERM takes
+    effect between its items (`workdir.raise_pending_signal`)."""
+    from fedjax_pan import workdir
+    for item in _bar(iterable, enabled, desc, total):
+        workdir.raise_pending_signal()
+        yield item
+    workdir.raise_pending_signal()
+
+
+def _bar(iterable: Iterable, enabled: bool, desc: str, total: Optional[int] = None) -> Any:
     from tqdm.auto import tqdm
     return tqdm(iterable, desc=desc, total=total, disable=not enabled, dynamic_ncols=True,
                 leave=False)
@@ -476,6 +492,7 @@ def train_centralised(model: Any, variables: PyTree, x: np.ndarray, y: np.ndarra
     import jax.numpy as jnp
     import optax
 
+    from fedjax_pan import workdir
     from fedjax_pan.algorithms import client_optimizer, local
 
     if optimizer not in ("sgd", "adam"):
@@ -494,11 +511,12 @@ def train_centralised(model: Any, variables: PyTree, x: np.ndarray, y: np.ndarra
     batch_size = min(batch_size, n)
     steps = n // batch_size
     history = []
-    bar = progress(range(epochs * steps), show_progress, desc)
+    bar = _bar(range(epochs * steps), show_progress, desc)
     for _ in range(epochs):
         order = rng.permutation(n)
         total = jnp.zeros((), jnp.float32)  # summed on the device: no sync per step
         for i in range(steps):
+            workdir.raise_pending_signal()
             idx = order[i * batch_size:(i + 1) * batch_size]
             batch = {"x": x[idx], "y": y[idx], "mask": np.ones(batch_size, np.float32)}
             state, metrics = step(state, batch)

@@ -105,11 +105,17 @@ def run_config(s: Settings, job: Job):
     return set_keys(default_config(), keys)
 
 
+def _epsilon(row: Dict[str, Any]) -> float:
+    """A row's epsilon; metrics.jsonl holds null where it is infinite (no noise)."""
+    value = row.get("dp_epsilon")
+    return float("inf") if value is None else float(value)
+
+
 def run_row(job: Job, curve: Sequence[Dict[str, Any]], diverged: bool) -> Dict[str, Any]:
     last = list(curve)[-LAST:]
     acc = float("nan") if diverged or not last else float(
         np.mean([r["test_accuracy"] for r in last]))
-    eps = float(curve[-1].get("dp_epsilon", float("inf"))) if curve else float("nan")
+    eps = _epsilon(curve[-1]) if curve else float("nan")
     return {"mode": job.mode, "noise_multiplier": job.noise, "seed": job.seed,
             "diverged": diverged, "accuracy": acc, "epsilon": eps}
 
@@ -160,7 +166,7 @@ def plot(todo: Sequence[Job], curves: Sequence[Sequence[Dict[str, Any]]], path: 
         label = "FedAvg (no DP)" if j.mode == "none" else f"{j.mode} clip, z = {j.noise:g}"
         acc = [100 * r["test_accuracy"] for r in curve]
         ax_rounds.plot([r["round"] for r in curve], acc, label=label)
-        eps = [r.get("dp_epsilon", np.inf) for r in curve]
+        eps = [_epsilon(r) for r in curve]
         if np.isfinite(eps).any():
             ax_eps.plot(eps, acc, marker=".", label=label)
     ax_eps.set(xlabel=f"epsilon (delta = {s.delta:g})", ylabel="test accuracy (%)",

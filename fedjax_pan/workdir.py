@@ -6,8 +6,9 @@ the new run has finished, or put back if it failed before completing a round. Fi
 written whole or not at all (`write_atomic`); checkpoints carry a digest of their arrays
 and the run's counters, so a corrupt one is reported instead of restored, and a resumed
 run's summary covers all of its processes. Filesystem faults surface as one-line
-`WorkdirError`s (`writing`), and SIGINT/SIGTERM wait until a round's files are written
-(`deferred_interrupts`).
+`WorkdirError`s (`writing`). SIGINT/SIGTERM take effect at safe points between rounds,
+clients and runs (`interrupts_at_safe_points`, `raise_pending_signal`), never while a
+round's files are written (`deferred_interrupts`).
 """
 
 from __future__ import annotations
@@ -58,16 +59,19 @@ def as_os_error(e: BaseException) -> Optional[OSError]:
 
 
 @contextlib.contextmanager
-def writing(what: str, safe: Callable[[], str]) -> Iterator[None]:
+def writing(what: str, safe: Callable[[], str],
+            only: Tuple[type, ...] = (Exception,)) -> Iterator[None]:
     """Turns a filesystem fault inside the block into a one-line WorkdirError.
 
-    `what` names what was being written; `safe()` says what the workdir still holds.
+    `what` names what was being written; `safe()` says what the workdir still holds;
+    `only` narrows the faults converted (around work that is mostly not writing, where
+    a library's "RESOURCE_EXHAUSTED" would be device memory, not disk).
     """
     try:
         yield
     except RunError:
         raise
-    except Exception as e:  # noqa: BLE001 - only filesystem faults are converted
+    except only as e:  # noqa: BLE001 - only filesystem faults are converted
         err = as_os_error(e)
         if err is None:
             raise
@@ -106,50 +110,107 @@ def signal_number(e: BaseException) -> int:
     return getattr(e, "signum", signal.SIGINT)
 
 
-def raise_on_sigterm() -> None:
-    """Makes SIGTERM unwind like Ctrl-C (only the main thread can install handlers)."""
-    def handler(signum, frame):
+# SIGINT and SIGTERM are acted on at safe points. A handler that raised would raise
+# wherever Python happens to be, also in a weakref callback or a __del__ run by the garbage
+# collector, where the exception is printed and dropped ("Exception ignored in ...") and
+# the run goes on as if no signal had come.
+_INTERRUPTS = (signal.SIGINT, signal.SIGTERM)
+_pending: List[int] = []  # signals received and not raised yet; the first is raised
+_depth = {"safe_points": 0, "deferred": 0}  # open `interrupts_at_safe_points` and
+                                            # `deferred_interrupts` blocks
+
+
+def _record(signum: int, frame: Any) -> None:
+    """The handler: notes the signal for the next safe point. The same signal again while
+    the first waits (a user who insists, a phase with no safe point) raises at once,
+    except while files are written (`deferred_interrupts`)."""
+    if signum in _pending and not _depth["deferred"]:
+        _pending.clear()
         raise _Signalled(signum)
-    with contextlib.suppress(ValueError):
-        signal.signal(signal.SIGTERM, handler)
+    _pending.append(signum)
+
+
+def _keeping_signals(hook: Callable[[Any], None]) -> Callable[[Any], None]:
+    """`sys.unraisablehook` that turns a signal raised where Python drops exceptions back
+    into a pending one."""
+    def unraisable(args: Any) -> None:
+        if isinstance(args.exc_value, _Signalled):
+            _pending.append(args.exc_value.signum)
+        else:
+            hook(args)
+    return unraisable
+
+
+def _install() -> Dict[int, Any]:
+    """`_record` for SIGINT and SIGTERM, except where ignored (nohup, a background job);
+    the handlers it replaced. ValueError outside the main thread."""
+    return {s: signal.signal(s, _record) for s in _INTERRUPTS
+            if signal.getsignal(s) is not signal.SIG_IGN}
+
+
+def _restore(old: Dict[int, Any]) -> None:
+    for s, h in old.items():
+        with contextlib.suppress(TypeError):  # None: a handler installed outside Python
+            signal.signal(s, h)
+
+
+def raise_pending_signal() -> None:
+    """A safe point: raises the first SIGINT/SIGTERM received since the last safe point
+    (a KeyboardInterrupt, see `signal_number`), if any, unless files are being written
+    (`deferred_interrupts`, which raises it when they are). Called between rounds,
+    clients, batches, runs and phases; without `interrupts_at_safe_points` nothing is
+    pending outside a `deferred_interrupts` block."""
+    if _pending and not _depth["deferred"]:
+        signum = _pending[0]
+        _pending.clear()
+        raise _Signalled(signum)
 
 
 @contextlib.contextmanager
-def sigterm_unwinds() -> Iterator[None]:
-    """`raise_on_sigterm` inside the block; the previous handler afterwards (a batch
-    scheduler's time limit is a SIGTERM: the run in progress saves its round)."""
+def interrupts_at_safe_points() -> Iterator[None]:
+    """SIGINT and SIGTERM (a batch scheduler's time limit) inside the block raise at its
+    next safe point (`raise_pending_signal`) or as it ends, never inside arbitrary code,
+    so none is lost and the run in progress saves its round; a second signal of the same
+    kind raises at once. The previous handlers afterwards."""
     try:
-        old = signal.getsignal(signal.SIGTERM)
-    except ValueError:
-        old = None
-    raise_on_sigterm()
+        old = _install()
+    except ValueError:  # not the main thread: signals go to the main thread
+        yield
+        return
+    hook, sys.unraisablehook = sys.unraisablehook, _keeping_signals(sys.unraisablehook)
+    _depth["safe_points"] += 1
+    finished = False
     try:
         yield
+        finished = True
     finally:
-        if old is not None:
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(signal.SIGTERM, old)
+        _depth["safe_points"] -= 1
+        sys.unraisablehook = hook
+        _restore(old)
+        if not finished and not _depth["safe_points"]:
+            _pending.clear()  # the exception on its way out is the one reported
+    raise_pending_signal()  # one that came after the last safe point
 
 
 @contextlib.contextmanager
 def deferred_interrupts() -> Iterator[None]:
     """SIGINT/SIGTERM inside the block take effect when it ends, so its writes complete."""
-    pending: List[int] = []
-
-    def handler(signum, frame):
-        pending.append(signum)
     try:
-        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = _install()
     except ValueError:  # not the main thread: nothing to defer
         yield
         return
+    _depth["deferred"] += 1
+    finished = False
     try:
         yield
+        finished = True
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    if pending:
-        raise _Signalled(pending[0])
+        _depth["deferred"] -= 1
+        _restore(old)
+        if not finished and not _depth["safe_points"]:
+            _pending.clear()
+    raise_pending_signal()  # (an enclosing block's end, if there is one)
 
 
 def interrupted(e: BaseException, message: str) -> Interrupted:
@@ -194,8 +255,12 @@ def check(workdir: str, *, resume: bool, overwrite: bool) -> None:
     """Everything about the workdir request that can fail, checked without writing to it."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
-    if os.path.exists(workdir) and not os.path.isdir(workdir):
-        raise ConfigError(f"workdir {workdir!r} exists and is not a directory")
+    # A file where the workdir or one of its parents should be is a filesystem fault
+    # like any other that stops the run from writing (--workdir=notes.txt/run, say).
+    blocker = _nearest_existing(workdir)
+    if not os.path.isdir(blocker):
+        raise WorkdirError(f"cannot write workdir {workdir!r}: {blocker} exists and is not a "
+                           "directory; nothing was written")
     exists = os.path.isdir(workdir) and bool(os.listdir(workdir))
     if resume and not os.path.isfile(os.path.join(workdir, "config.json")):
         raise ConfigError(f"nothing to resume in {workdir!r} (no config.json)")

@@ -124,10 +124,53 @@ def test_multi_krums_check_names_the_clients_a_round():
                                          r".byzantine = 8 and aggregation.krum_keep = None "
                                          r"\(10 clients a round\): Krum needs"):
         RULES["multi_krum"].check(cfg)
-    with pytest.raises(ConfigError, match=r"^config.aggregation.rule='multi_krum' with "):
+    with pytest.raises(ConfigError, match=r"^config.aggregation.rule='multi_krum' with .*"
+                                          r"\(aggregation.byzantine in \[0, 7\], "
+                                          r"aggregation.krum_keep in \[1, 10\] or unset\)$"):
         schema.validate(cfg)
     cfg.aggregation.byzantine = 7
     schema.validate(cfg)
+
+
+@pytest.mark.parametrize("b", [10, 11, 100])
+def test_zenos_check_names_the_clients_a_round(b):
+    cfg = default_config()  # 10 clients a round
+    cfg.aggregation.rule, cfg.aggregation.byzantine = "zeno", b
+    with pytest.raises(ConfigError, match=rf"^config.aggregation.byzantine={b} with "
+                                          r"aggregation.rule='zeno' \(10 clients a round\): "
+                                          r"Zeno averages the n - b best .* needs 0 <= b < n: "
+                                          rf"10 clients, b = {b}; set aggregation.byzantine "
+                                          r"in \[0, 9\]$"):
+        schema.validate(cfg)
+    cfg.aggregation.byzantine = 9  # the paper's m > b: one client kept
+    schema.validate(cfg)
+    assert aggregation.zeno_kept(10, 9) == 1 and aggregation.zeno_kept(10, 0) == 10
+
+
+@pytest.mark.parametrize("name", [n for n, e in RULES.items() if "byzantine" not in e.options])
+def test_a_rule_that_does_not_read_byzantine_refuses_it(name):
+    cfg = default_config()
+    cfg.aggregation.rule, cfg.aggregation.byzantine = name, 3
+    trim = ": its tolerance is aggregation.trim.*" if name == "trimmed_mean" else ""
+    with pytest.raises(ConfigError, match=rf"^config.aggregation.byzantine=3 is not used by "
+                                          rf"aggregation.rule='{name}'{trim}; set aggregation"
+                                          r".byzantine=0, or a rule that reads it "
+                                          r"\(multi_krum, zeno\)$"):
+        schema.validate(cfg)
+    cfg.aggregation.byzantine = 0
+    schema.validate(cfg)
+
+
+def test_the_byzantine_key_says_what_each_rule_allows():
+    cfg = default_config()
+    cfg.aggregation.byzantine = -1
+    with pytest.raises(ConfigError, match=r"must be an integer in \[0, 100000\]: under "
+                                          r"multi_krum at most the clients a round - 3, under "
+                                          r"zeno at most the clients a round - 1, under the "
+                                          r"other rules 0, got -1"):
+        schema.validate(cfg)
+    # The rules the text names are the table's readers of the key.
+    assert [n for n, e in RULES.items() if "byzantine" in e.options] == ["multi_krum", "zeno"]
 
 
 @pytest.mark.reference("aggregation", "median", "trimmed_mean")

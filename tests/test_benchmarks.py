@@ -25,8 +25,12 @@ if ROOT not in sys.path:  # benchmarks/ is a top-level folder, not an installed 
     sys.path.insert(0, ROOT)
 
 from benchmarks import fedjax_style  # noqa: E402
+from benchmarks import gpu_side_by_side  # noqa: E402
+from benchmarks import profile_step  # noqa: E402
 from benchmarks import pytorch_style  # noqa: E402
 from benchmarks import naive as naive_lib  # noqa: E402
+from benchmarks import report  # noqa: E402
+from benchmarks import roofline  # noqa: E402
 from benchmarks import run as run_lib  # noqa: E402
 from benchmarks.sections import padding  # noqa: E402
 
@@ -45,7 +49,7 @@ def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--suite", "cpu",
                            "--quick", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
     with open(out / "results.json") as f:
         return out, json.load(f), proc.stdout
@@ -426,3 +430,151 @@ def test_grouped_conv_section(quick):
                    "## Execution strategy for grouped models", "split (auto)",
                    "dense reference"]:
         assert needle in markdown, needle
+
+
+# ----------------------------------------------------------------------------------------
+# The roofline: XLA's cost of a round, the machine's roof, the fractions.
+# ----------------------------------------------------------------------------------------
+
+def test_xla_cost_and_roof_arithmetic():
+    a, b = np.ones((64, 128), np.float32), np.ones((128, 32), np.float32)
+    cost = roofline.program_cost(lambda a, b: a @ b, a, b)
+    assert cost.flops == 2 * 64 * 128 * 32
+    assert cost.bytes >= 4 * (64 * 128 + 128 * 32 + 64 * 32)
+
+    class OldJax:  # JAX 0.4.3x: one dict per program, in a list
+        def cost_analysis(self):
+            return [{"flops": 6.0, "bytes accessed": 2.0}]
+    assert roofline.xla_cost(OldJax()) == roofline.Cost(6.0, 2.0)
+    roof = roofline.Roof(peak_gflops=10.0, bandwidth_gbs=2.0, peak_gflops_bf16=40.0)
+    compute, memory = roofline.Cost(1e9, 1e8), roofline.Cost(1e8, 1e9)
+    assert roof.seconds(compute) == pytest.approx(0.1) and roof.bound(compute) == "compute"
+    assert roof.seconds(memory) == pytest.approx(0.5) and roof.bound(memory) == "memory"
+    assert roof.seconds(compute, "bfloat16") == pytest.approx(0.05)
+    rec = roofline.row_record([compute, memory], [0.4, 0.8], roof)
+    assert rec["fraction_of_roofline"] == pytest.approx(0.6 / 1.2)
+    assert rec["xla_flops_per_round"] == pytest.approx(5.5e8)
+    assert roofline.row_record([compute, None], [0.4, 0.8], roof) == {
+        "fraction_of_roofline": None}
+
+
+def test_loop_cost_counts_batches_clients_and_rounds():
+    # A step whose cost is linear in its rows: the short batch is interpolated exactly.
+    loop = roofline.LoopCost(lambda r: roofline.Cost(10.0 * r + 5, 2.0 * r),
+                             batch_size=8, per_client=roofline.Cost(1.0, 1.0),
+                             per_round=roofline.Cost(100.0, 0.0))
+    assert loop.step(3) == roofline.Cost(35.0, 6.0)
+    # Clients of 20 (8 + 8 + 4) and 8 examples, 2 epochs.
+    got = loop.round([20, 8], epochs=2)
+    steps = 2 * ((85 + 85 + 45) + 85)
+    assert got.flops == pytest.approx(steps + 2 * 1.0 + 100.0)
+    assert got.bytes == pytest.approx(2 * ((16 + 16 + 8) + 16) + 2 * 1.0)
+
+
+def test_measure_bandwidth_reports_copy_and_triads():
+    bw = roofline.measure_bandwidth(mib=2, reps=2)
+    assert min(bw["copy_gbs"], bw["triad_gbs"], bw["numpy_triad_gbs"]) > 0
+    assert bw["bandwidth_gbs"] == max(bw["triad_gbs"], bw["numpy_triad_gbs"])
+
+
+def _tiny_round(strategy, block_size, images, labels, parts):
+    model = models.build("mlp", 10, hidden=[32, 16])
+    variables = models.init(model, jax.random.PRNGKey(1), (6, 6, 1))
+    algorithm = fedavg(model, client_optimizer(0.05, 0.9, 0.0, None))
+    data = ClientData.create(images, labels, parts)
+    work = LocalWork(BATCH, EPOCHS)
+    sim = Simulation(algorithm, data, work, make_executor(
+        strategy, algorithm, work, data, variables, 4, block_size=block_size),
+        4 / len(parts), seed=3)
+    return sim, sim.init(variables)
+
+
+@pytest.mark.parametrize("strategy,block_size", [("loop", None), ("vmap", 2)])
+def test_engine_cost_of_a_round(strategy, block_size):
+    images, labels, parts, *_ = _setup()
+    sim, state = _tiny_round(strategy, block_size, images, labels, parts)
+    model = roofline.EngineCost(sim)
+    cost = model.round(state)
+    cohort = sim.cohort(state, 0)
+    _, stats = sim.round(state)
+    rows = model.rows(cohort)
+    # The rows costed are the rows the round computed, padding included.
+    assert rows == stats["computed_examples"]
+    # Independent count: multiply-adds of 36-32-16-10 per row, forward and weight grads
+    # (2 + 2 FLOPs each) and input grads past the first layer (2 each); the rest
+    # (activations, loss, momentum SGD over 1,882 parameters a step) is small.
+    steps = int(np.sum(cohort.steps)) if block_size is None else rows // (BATCH * 2)
+    per_row = 4 * (36 * 32 + 32 * 16 + 16 * 10) + 2 * (32 * 16 + 16 * 10)
+    assert per_row * rows <= cost.flops <= 1.5 * per_row * rows + 40 * 1882 * steps
+    assert cost.bytes > 4 * 1882 * steps  # at least one pass over the weights a step
+
+
+def test_engine_step_cost_reads_the_batch_not_the_dataset():
+    # XLA costs a gather as reading its whole operand; the model lowers the step on a
+    # batch-sized dataset, so the same clients in a 20x larger training set cost the same.
+    images, labels, parts, *_ = _setup()
+    small_sim, small = _tiny_round("loop", None, images, labels, parts)
+    big_sim, big = _tiny_round("loop", None, np.concatenate([images] * 20),
+                               np.concatenate([labels] * 20), parts)
+    assert roofline.EngineCost(big_sim).round(big) == roofline.EngineCost(
+        small_sim).round(small)
+
+
+def test_mlp_target_is_judged_on_the_roofline():
+    rec = {"fraction_of_roofline": 0.9, "fraction_of_ceiling": 0.2,
+           "speedup_vs_naive": 1.5, "training_speedup_vs_naive": 1.5}
+    results = {"mlp": {"strategies": {"vmap": rec}, "auto": {"picks": "vmap",
+                                                             "ratio_to_best": 1.0}}}
+    target = report.evaluate_targets(results)[0]
+    assert "roofline" in target["name"] and target["value"] == 0.9
+    assert target["status"] == "PASS"
+    rec["fraction_of_roofline"] = 0.5
+    assert report.evaluate_targets(results)[0]["status"] == "MISS"
+
+
+def test_trace_summary_of_an_engine_round(tmp_path):
+    images, labels, parts, *_ = _setup()
+    sim, state = _tiny_round("loop", None, images, labels, parts)
+    state, _ = sim.round(state)  # compiled before the trace
+    with jax.profiler.trace(str(tmp_path)):
+        state, _ = sim.round(state)
+        jax.block_until_ready(state.server)
+    summary = profile_step.trace_summary(str(tmp_path))
+    assert 0 < summary["xla_busy_s"] <= summary["xla_thread_s"] + 1e-9
+    names = [f["name"] for f in summary["engine_functions"]]
+    assert any(n.startswith("simulation.py") and n.endswith(" round") for n in names), names
+    assert summary["xla_ops"] and all(o["seconds"] >= 0 for o in summary["xla_ops"])
+
+
+def test_gpu_side_by_side_quick(tmp_path, capsys):
+    """The GPU script's dry run on this CPU: the engine rows, the skipped ones with their
+    note, the files for RESULTS_gpu.md."""
+    from fedjax_pan.config.defaults import default_config
+    assert gpu_side_by_side.main(["--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "side_by_side.json").read_text())
+    (point,) = results["points"]
+    rows = point["rows"]
+    has_precision = "precision" in default_config().execution
+    assert ("fedjax_pan bfloat16" in rows) == has_precision
+    assert "fedjax_pan float32" in rows
+    for name, r in rows.items():
+        assert r["examples_per_second"] > 0 and r["fraction_of_roofline"] > 0, name
+        assert r["dtype"] == ("bfloat16" if "bfloat16" in name else "float32")
+    try:
+        gpu_side_by_side.import_fedjax()
+        fedjax_here = True
+    except ImportError:
+        fedjax_here = False
+    assert (gpu_side_by_side.FEDJAX in rows) == fedjax_here
+    if not fedjax_here:
+        assert any("skipped, fedjax does not import" in n for n in results["notes"])
+    if not pytorch_style.available():
+        assert any("torch is not installed" in n for n in results["notes"])
+    for r in rows.values():
+        if gpu_side_by_side.FEDJAX in rows:
+            assert r["vs_fedjax"] == pytest.approx(
+                r["examples_per_second"] / rows[gpu_side_by_side.FEDJAX]["examples_per_second"])
+        else:
+            assert "vs_fedjax" not in r
+    markdown = (tmp_path / "side_by_side.md").read_text()
+    assert "| 4 | fedjax_pan float32 |" in markdown and markdown in capsys.readouterr().out

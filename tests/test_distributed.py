@@ -7,17 +7,24 @@ state reaches them from process 0).
 
 import json
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import ROOT, needs_fmnist
+from fedjax_pan import workdir
 from fedjax_pan.engine import distributed
 from fedjax_pan.run import launch
 from fedjax_pan.errors import ConfigError
 
 CHECK = "--config=" + os.path.join(ROOT, "configs", "fmnist_mlp.py") + ":multiprocess"
+SMOKE = ("--config=" + os.path.join(ROOT, "configs", "fmnist_mlp.py") + ":smoke",
+         "--config.dataset.name=synthetic")
 
 
 def _env(devices: int) -> dict:
@@ -53,6 +60,8 @@ def _errors(stderr: str) -> list:
     ({"coordinator": "h:1", "num_processes": 0, "process_id": 0}, "--num_processes=0"),
     ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, "--process_id=2"),
     ({"coordinator": "h:1", "auto": True}, "drop --coordinator"),
+    ({"coordinator": "h:1", "num_processes": 2, "process_id": 1, "peer_timeout": 0},
+     "--peer_timeout=0 must be a positive"),
 ])
 def test_bad_multiprocess_flags_are_config_errors(kwargs, word):
     with pytest.raises(ConfigError, match=word.replace("-", r"\-")):
@@ -147,3 +156,100 @@ def test_two_processes_give_one_process_numbers_and_resume(tmp_path):
     # The numbers moved: equal runs that learned nothing would prove little.
     rows = [json.loads(line) for line in open(one / "scaffold" / "metrics.jsonl")]
     assert rows[-1]["test_accuracy"] > rows[0]["test_accuracy"] + 0.03
+
+
+def test_a_port_in_use_stops_process_0_with_one_line(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("localhost", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        run = subprocess.run(
+            launch.commands(2, [*SMOKE, f"--workdir={tmp_path / 'w'}", "--noprogress"],
+                            port)[0], cwd=ROOT, env=_env(1), capture_output=True, text=True,
+            timeout=300)
+    assert run.returncode == 2, run.stderr
+    assert run.stderr == (f"error: --coordinator=localhost:{port}: port {port} is in use on "
+                          "this host, where process 0 serves the coordinator; pick a free "
+                          "port\n")
+    assert not (tmp_path / "w").exists()
+
+
+def _children(pid: int) -> dict:
+    """{process id: pid} of the launcher's processes."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    out = {}
+    for kid in kids:
+        with open(f"/proc/{kid}/cmdline") as f:
+            args = f.read().split("\0")
+        out[int(next(a for a in args if a.startswith("--process_id=")).split("=")[1])] = kid
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum,target,status,error,ended", [
+    (signal.SIGTERM, 1, 143, r"process 1 stopped: interrupted in round \d+; rounds? 1(-\d+)? "
+     r"(is|are) saved in \S+; continue with --resume",
+     "process 1 exited with status 143; process 0 exited with status 143"),
+    (signal.SIGKILL, 1, 137, r"process 1 stopped: it ended without a word \(killed, out of "
+     r"memory, or crashed\); continue with --resume",
+     r"process 1 was killed by SIGKILL \(status 137\); process 0 exited with status 1"),
+    (signal.SIGTERM, 0, 143, r"interrupted in round \d+; rounds? 1(-\d+)? (is|are) saved in "
+     r"\S+; continue with --resume",
+     "process 0 exited with status 143; process 1 exited with status 143"),
+], ids=["sigterm-1", "sigkill-1", "sigterm-0"])
+def test_a_process_stopped_mid_run_stops_the_others(tmp_path, signum, target, status, error,
+                                                    ended):
+    # Before, the others waited in their next collective (or at JAX's shutdown barrier)
+    # for minutes, and the launcher with them.
+    work = tmp_path / "w"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "fedjax_pan.run.launch", "--processes=2", "--devices=1", "--",
+         *SMOKE, f"--workdir={work}", "--noprogress", "--config.rounds=40"],
+        cwd=ROOT, env=_env(1), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (work / "metrics.jsonl").exists() or len(
+                (work / "metrics.jsonl").read_text().splitlines()) < 2:
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(_children(launcher.pid)[target], signum)
+        start = time.monotonic()
+        err = launcher.communicate(timeout=60)[1]
+        assert time.monotonic() - start < 30
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == status, err
+    assert len(_errors(err)) == 1 and re.fullmatch("error: " + error, _errors(err)[0]), err
+    assert re.match(f"launch: {ended}; ", err.splitlines()[-1]), err
+    assert workdir.saved_rounds(str(work))  # what the line says to continue from
+
+
+@pytest.mark.slow
+def test_a_silent_process_stops_the_others_after_peer_timeout(tmp_path):
+    # Started as a scheduler starts them, without the launcher; process 1 stopped
+    # (SIGSTOP) is alive but silent, as a process on a lost host is.
+    work = tmp_path / "w"
+    args = [*SMOKE, f"--workdir={work}", "--noprogress", "--config.rounds=40",
+            "--peer_timeout=3"]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=_env(1), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True)
+             for cmd in launch.commands(2, args, launch.free_port())]
+    try:
+        deadline = time.monotonic() + 300
+        while not (work / "metrics.jsonl").exists() or len(
+                (work / "metrics.jsonl").read_text().splitlines()) < 2:
+            assert procs[0].poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        start = time.monotonic()
+        err = procs[0].communicate(timeout=60)[1]
+        assert time.monotonic() - start < 30
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 1, err
+    assert _errors(err) == ["error: process 1 stopped: no word from it for 3 s (killed, out of "
+                            "memory, or its host failed); continue with --resume"], err

@@ -2,6 +2,9 @@
 clipping's geometric step by hand, the split noise multiplier, Poisson rounds without
 clients, refusals, and a config run logging a growing epsilon."""
 
+import glob
+import json
+import math
 import os
 import sys
 
@@ -230,3 +233,56 @@ def test_config_run_logs_a_growing_epsilon(tmp_path):
     m = max(1, round(cfg.participation * k))
     np.testing.assert_allclose(eps[2], privacy.epsilon(1.1, 3, 1e-4, "poisson", k, m,
                                                        rate=cfg.participation))
+
+
+# A DP run as small as a run gets: what these tests check is in the files it writes.
+TINY = {"model__options": {"hidden": [16]}, "dataset__train_limit": 400,
+        "partition__num_clients": 8, "eval__batch_size": 500}
+
+
+def _strict_json(text):
+    """json.loads refusing the NaN and Infinity tokens that are not JSON."""
+    def refuse(token):
+        raise ValueError(f"{token} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_clipping_without_noise_writes_strict_json(tmp_path):
+    """z = 0: epsilon is infinite, which JSON has no value for: null in every file the run
+    writes (also rewritten from the checkpoint on resume), inf in TensorBoard's scalars."""
+    from tensorboard.backend.event_processing import event_accumulator
+    w = str(tmp_path / "w")
+    experiment.train(config(rounds=1, privacy__clip=0.05, **TINY), w, progress=False)
+    acc = event_accumulator.EventAccumulator(w, size_guidance={event_accumulator.SCALARS: 0})
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("dp_epsilon")] == [(1, math.inf)]
+    experiment.train(config(rounds=2, privacy__clip=0.05, **TINY), w, resume=True,
+                     progress=False)
+    with open(os.path.join(w, "metrics.jsonl")) as f:
+        rows = [_strict_json(line) for line in f]
+    assert [(r["round"], r["dp_epsilon"]) for r in rows] == [(1, None), (2, None)]
+    written = ["summary.json", "config.json", "checkpoints/*/meta/metadata"]
+    paths = [p for pattern in written for p in glob.glob(os.path.join(w, pattern))]
+    assert {os.path.basename(p) for p in paths} == {"summary.json", "config.json",
+                                                    "metadata"}
+    for path in paths:
+        with open(path) as f:
+            _strict_json(f.read())
+
+
+@pytest.mark.slow  # 8 + 7 + 1 rounds end to end
+def test_resumed_dp_run_logs_the_same_epsilon_to_the_bit(tmp_path):
+    """A DP run with compressed uploads stopped after round 6 and resumed to 8 logs what
+    one run of 8 rounds logs, dp_epsilon included (the ledger of the resumed run composes
+    from its first round on: `privacy.Ledger`). A run killed after round 6 resumes on the
+    same path: a new process, a new ledger, the checkpoint of round 6."""
+    dp_on = dict(privacy__clip=0.05, privacy__noise_multiplier=1.1, privacy__delta=1e-4,
+                 compression__upload__method="top_k", compression__upload__error_feedback=True,
+                 **TINY)
+    full, part = str(tmp_path / "full"), str(tmp_path / "part")
+    experiment.train(config(rounds=8, **dp_on), full, progress=False)
+    experiment.train(config(rounds=6, **dp_on), part, progress=False)
+    experiment.train(config(rounds=8, **dp_on), part, resume=True, progress=False)
+    want, got = metrics(full), metrics(part)
+    assert [r["dp_epsilon"] for r in got] == [r["dp_epsilon"] for r in want]
+    assert got == want and len(got) == 8

@@ -1,5 +1,6 @@
 """Config-driven runs: resume equals an uninterrupted run, bad input, divergence, workdirs."""
 
+import contextlib
 import errno
 import importlib.util
 import json
@@ -480,30 +481,44 @@ def test_divergence_advice_names_the_options_set_away_from_their_default(tmp_pat
                          progress=False)
 
 
-@pytest.mark.parametrize("when", ["evaluating",
-                                  pytest.param("returning", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("when", [
+    "evaluating", *(pytest.param(w, marks=pytest.mark.slow) for w in (
+        "between clients", "as the last round returns", "returning, without safe points"))])
 def test_a_signal_after_a_round_ran_keeps_rows_and_checkpoints_consistent(tmp_path,
                                                                           monkeypatch, when):
-    """FedPer keeps per-client state, whose buffers a round donates. A SIGTERM while round
-    3 is evaluated waits for its files and is saved with it; one as round 4 returns (round
-    3's state, never checkpointed, already consumed) leaves the checkpoint of round 2, which
-    the message names; either way rows and checkpoints agree, and --resume finishes the
+    """FedPer keeps per-client state, whose buffers a round donates. Under
+    `interrupts_at_safe_points` a SIGTERM while round 3 is evaluated waits for its files
+    and is saved with it; one after round 3's second client (of 4) stops before the third,
+    round 2's state intact; one as the last round returns waits for its files. A Ctrl-C
+    raised at once as round 4 returns (no safe points: Python's own handler) finds round
+    3's state, never checkpointed, already consumed, and leaves the checkpoint of round 2.
+    The message names what is kept, rows and checkpoints agree, and --resume finishes the
     run as an uninterrupted one."""
     import signal
 
     from fedjax_pan import workdir
+    from fedjax_pan.engine.execution import VmapExecutor
     from fedjax_pan.engine.simulation import Simulation
+    sig, stopped, saved = signal.SIGTERM, "in round 4", 3
     if when == "evaluating":
-        signal_on_call(monkeypatch, training, "evaluate_clients", signal.SIGTERM, 3)
+        signal_on_call(monkeypatch, training, "evaluate_clients", sig, 3)
+    elif when == "between clients":  # CPU, dense model: 4 vmapped blocks of 1 a round
+        signal_on_call(monkeypatch, VmapExecutor, "_block_args", sig, 2 * 4 + 2)
+        stopped, saved = "in round 3", 2
+    elif when == "as the last round returns":
+        signal_on_call(monkeypatch, Simulation, "round", sig, 4, after=True)
+        stopped, saved = "after round 4", 4
     else:
-        signal_on_call(monkeypatch, Simulation, "round", signal.SIGTERM, 4, after=True)
+        sig, stopped, saved = signal.SIGINT, "in round 4", 2
+        signal_on_call(monkeypatch, Simulation, "round", sig, 4, after=True)
     w = str(tmp_path / "w")
     cfg = config(rounds=4, checkpoint_every=2, algorithm="fedper", partition__test_fraction=0.25)
-    with workdir.sigterm_unwinds(), pytest.raises(experiment.Interrupted) as info:
+    handling = (contextlib.nullcontext() if when.endswith("without safe points") else
+                workdir.interrupts_at_safe_points())
+    with handling, pytest.raises(experiment.Interrupted) as info:
         experiment.train(cfg, w, progress=False)
-    saved = 3 if when == "evaluating" else 2
-    assert info.value.status == 143
-    assert str(info.value) == (f"interrupted in round 4; rounds 1-{saved} are saved in {w}; "
+    assert info.value.status == 128 + sig
+    assert str(info.value) == (f"interrupted {stopped}; rounds 1-{saved} are saved in {w}; "
                                f"continue with --resume")
     assert max(int(d) for d in os.listdir(os.path.join(w, "checkpoints"))) == saved
     monkeypatch.undo()
@@ -511,6 +526,26 @@ def test_a_signal_after_a_round_ran_keeps_rows_and_checkpoints_consistent(tmp_pa
     straight = str(tmp_path / "straight")
     experiment.train(cfg, straight, progress=False)
     assert metrics(w) == metrics(straight)
+
+
+def test_a_signal_after_the_last_safe_point_still_ends_the_command_with_its_status(
+        tmp_path, monkeypatch, capsys):
+    """A SIGTERM while the finished run's table is printed (no safe point after it) is
+    raised as the command's signal handling ends: 143 and one line saying the results are
+    complete, never 0; the handler is given back."""
+    import signal
+
+    from fedjax_pan.run import main
+    w = str(tmp_path / "w")
+    before = signal.getsignal(signal.SIGTERM)
+    signal_on_call(monkeypatch, experiment, "format_table", signal.SIGTERM, 1)
+    assert main.main(["prog", "--config=" + os.path.join(ROOT, "configs", "fmnist_mlp.py")
+                      + ":smoke", "--noprogress", "--config.dataset.name=synthetic",
+                      "--config.rounds=1", f"--workdir={w}"]) == 143
+    assert signal.getsignal(signal.SIGTERM) is before
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert err == [f"error: interrupted; the results in {w} are complete"]
+    assert os.path.isfile(os.path.join(w, "summary.json"))
 
 
 def test_noisy_clients_train_on_noisy_labels_and_everything_else_stays_clean():

@@ -688,6 +688,48 @@ def test_ctrl_c_while_a_curve_is_drawn_finishes_it_first(tmp_path, monkeypatch, 
     assert os.path.getsize(os.path.join(run, "curve.png")) > 1000
 
 
+@pytest.mark.slow  # about five runs of the cheapest sweep's smoke preset (1-3 minutes)
+def test_a_sigterm_at_any_moment_of_a_script_ends_it_with_143(tmp_path):
+    """SIGTERMs timed across a whole script run (data, two trainings, tables and figures):
+    none is lost (a handler that raised lost one now and then in a garbage-collection
+    callback, and the script went on to exit 0). Each ends the script with 143 and one
+    `error:` line, or, before the script installed its handler, with the default action."""
+    import signal as signal_lib
+    import time
+
+    command = [sys.executable, "-m", "experiments.personalized", "--preset", "smoke",
+               "--no-progress", "--out"]
+    start = time.time()
+    subprocess.run([*command, str(tmp_path / "whole")], cwd=ROOT, check=True,
+                   capture_output=True, timeout=600)
+    duration = time.time() - start
+    outcomes = []
+    for i in range(8):
+        proc = subprocess.Popen([*command, str(tmp_path / f"cut{i}")], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:  # its stdout and stderr are a few lines: the pipes cannot fill meanwhile
+            proc.wait(timeout=duration * (0.05 + 0.8 * i / 7))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal_lib.SIGTERM)
+        else:  # faster than the measured run: finished before its signal
+            outcomes.append("finished")
+            continue
+        try:
+            _, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # ignored the signal: leave no process behind
+            proc.kill()
+            proc.communicate()
+            raise
+        lines = [line for line in err.splitlines() if line.strip()]
+        if proc.returncode == -signal_lib.SIGTERM:  # before the handler was installed
+            outcomes.append("killed")
+            continue
+        assert proc.returncode == 143, (i, proc.returncode, err)
+        assert len(lines) == 1 and lines[0].startswith("error: interrupted"), (i, err)
+        outcomes.append("143")
+    assert outcomes.count("143") >= 4, outcomes  # most signals met the handler
+
+
 def test_robustness_configs_and_table_by_hand():
     """Every run of the long presets is a valid config with what its scenario names; the
     time to target and the summary are worked out by hand."""

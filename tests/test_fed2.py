@@ -197,3 +197,29 @@ def test_fed2_runs_from_a_config_and_needs_a_grouped_model(tmp_path):
         "groups": 5, "depth": 2}), jax.random.PRNGKey(0), (28, 28, 1)))
     # 4 clients of 2 classes each: none sends all 5 groups.
     assert len(rows) == 2 and all(0 < r["upload_bytes"] < 4 * 4 * n for r in rows)
+
+
+@pytest.mark.parametrize("name, classes, options, want", [
+    ("mlp", 10, {"hidden": [1024] * 3}, {"groups": 10, "depth": 3}),  # one layer shared
+    ("mlp", 10, {"hidden": [4, 6, 8]}, {"groups": 6, "depth": 3}),  # fc2's 6 units
+    ("mlp", 3, {"hidden": [16]}, {"groups": 3, "depth": 2}),  # a group per class at most
+    ("vgg9", 10, {}, {"groups": 10, "depth": 6}),  # the paper's
+])
+def test_the_suggested_grouping_fits_the_model_it_is_given(name, classes, options, want):
+    from fedjax_pan.algorithms.fedavg_family.fed2 import suggested_grouping
+    model = models.build(name, classes, **options)
+    assert suggested_grouping(model) == want
+    with pytest.raises(ValueError, match=r"--config.model.options.grouped=\"\{'groups': "
+                                         rf"{want['groups']}, 'depth': {want['depth']}\}}\""):
+        fed2(model, client_optimizer(0.1))
+    # The grouping builds: its depth fits the model's weight layers, its groups the classes.
+    grouped = models.build(name, classes, grouped=want, **options)
+    jax.eval_shape(lambda: grouped.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)),
+                                        train=False))
+
+
+def test_models_that_cannot_be_grouped_are_refused_without_a_grouping():
+    for model, why in [(models.build("resnet20", 10), "ResNet has no grouped form"),
+                       (models.build("mlp", 10, hidden=[]), "this MLP has 1 weight layer")]:
+        with pytest.raises(ValueError, match=f"fed2 needs a grouped model, and {why}"):
+            fed2(model, client_optimizer(0.1))

@@ -607,6 +607,91 @@ def test_channels_train_their_own_models(tmp_path):
     assert metrics(str(tmp_path))[-1]["pfl_accuracy"] == pytest.approx(correct / count)
 
 
+def test_more_channels_than_devices_are_refused_before_the_data_loads(tmp_path):
+    from fedjax_pan.config import schema
+    cfg = config(algorithm="flchain", flchain__channels=21)  # 20 devices
+    with pytest.raises(ConfigError, match=r"^config.flchain.channels=21 exceeds the 20 "
+                                          r"devices \(partition.num_clients=20\): .*"
+                                          r"set flchain.channels <= 20$"):
+        schema.validate(cfg)  # touches no data
+    with pytest.raises(ConfigError, match="flchain.channels=21"):
+        _run(tmp_path / "w", flchain__channels=21)
+    assert not os.path.exists(tmp_path / "w")
+    schema.validate(config(algorithm="flchain", flchain__channels=20))
+
+
+def test_a_channel_without_devices_holds_no_model(tmp_path):
+    # Seed 1: 'random' leaves channel 0 of 10 without any of the 20 devices.
+    live = np.bincount(flchain.select_channels(20, 10, "random", 1), minlength=10) > 0
+    assert not live[0] and live[1:].all()
+    summary = _run(tmp_path, rounds=2, seed=1, flchain__channels=10,
+                   flchain__selection="random", partition__test_fraction=0.2)
+    chain, state = summary.experiment.simulation, summary.state
+    channels = state.server["channels"]
+    assert channels[0] is None and all(c is not None for c in channels[1:])
+    # Nine models in the state and so in each checkpoint, not ten.
+    one = len(jax.tree_util.tree_leaves(channels[1]))
+    assert len(jax.tree_util.tree_leaves(channels)) == 9 * one
+    # The empty channel's model is the initial one: the global metrics score it, its
+    # genesis is its head in the anchor, and the ledger verifies.
+    initial = summary.experiment.variables
+    for a, b in zip(jax.tree_util.tree_leaves(chain.evaluation(state.server)[1]),
+                    jax.tree_util.tree_leaves(initial)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    heads = {c["channel"]: c["height"] for c in summary["ledger_anchor"]["channels"]}
+    assert heads[0] == 0 and len(heads) == 10
+    assert flchain_cli.verify(str(tmp_path), anchor=summary["ledger_anchor"])["channels"] == 10
+    # Each device is still scored on its own channel's model.
+    correct = count = 0.0
+    for j in np.flatnonzero(live):
+        part = summary.experiment.client_evaluate(chain.rule.eval_variables(channels[j]))
+        mine = chain.channel_of == j
+        correct += part["correct"][mine].sum()
+        count += part["count"][mine].sum()
+    assert metrics(str(tmp_path))[-1]["pfl_accuracy"] == pytest.approx(correct / count)
+    # A resumed run restores the nine models and goes on.
+    again = experiment.train(config(rounds=3, seed=1, algorithm="flchain",
+                                    execution__strategy="loop", flchain__channels=10,
+                                    flchain__selection="random", partition__test_fraction=0.2),
+                             str(tmp_path), resume=True, progress=False)
+    assert again.state.server["channels"][0] is None and len(metrics(str(tmp_path))) == 3
+
+
+def test_channels_that_cannot_fit_in_memory_are_refused(tmp_path, monkeypatch):
+    from fedjax_pan import models
+    from fedjax_pan.algorithms.core import tree_bytes
+    cfg = config(algorithm="flchain")
+    exp = experiment.build(cfg)
+    chain = exp.simulation
+    server = chain.rule.server_init(exp.variables)
+    # The estimate by hand: the server state twice (the run's, a checkpoint's copy) and
+    # the model once (the per-device evaluation's stack).
+    per_channel = 2 * tree_bytes(server) + tree_bytes(exp.variables)
+    shapes = jax.eval_shape(lambda: models.init(exp.model, jax.random.PRNGKey(0),
+                                                exp.dataset.input_shape))
+    assert flchain.channel_bytes(jax.eval_shape(chain.rule.server_init, shapes), shapes) \
+        == per_channel
+    monkeypatch.setattr(flchain, "available_memory", lambda: 4 * per_channel - 1)
+    with pytest.raises(ConfigError, match=r"flchain.channels=4: its 4 channels with devices "
+                                          r"would hold about .* GiB \(.* MiB each: .*\), "
+                                          r"more than the .* GiB available \(MemAvailable"):
+        _run(tmp_path / "w", flchain__channels=4)
+    assert not os.path.exists(tmp_path / "w")  # refused before anything was written
+    monkeypatch.setattr(flchain, "available_memory", lambda: 4 * per_channel)
+    experiment.build(config(algorithm="flchain", flchain__channels=4))
+    monkeypatch.setattr(flchain, "available_memory", lambda: None)  # not Linux: no check
+    experiment.build(config(algorithm="flchain", flchain__channels=4))
+
+
+def test_available_memory_reads_meminfo(tmp_path):
+    path = tmp_path / "meminfo"
+    path.write_text("MemTotal:       16000 kB\nMemFree:  100 kB\nMemAvailable:    1234 kB\n")
+    assert flchain.available_memory(str(path)) == 1234 * 1024
+    path.write_text("MemTotal:       16000 kB\n")
+    assert flchain.available_memory(str(path)) is None
+    assert flchain.available_memory(str(tmp_path / "absent")) is None
+
+
 def test_channel_selection():
     np.testing.assert_array_equal(flchain.select_channels(7, 3, "least_loaded", 0),
                                   [0, 1, 2, 0, 1, 2, 0])

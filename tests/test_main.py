@@ -170,17 +170,16 @@ def test_ctrl_c_while_the_results_are_written_keeps_them(tmp_path, capsys, monke
 def test_model_options_are_set_from_the_command_line(tmp_path, capsys):
     w = tmp_path / "w"
     assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.algorithm=fed2",
-                      "--config.rounds=1"]) == 2
+                      "--config.rounds=1", "--config.model.options.hidden=(32, 32)"]) == 2
     hint = capsys.readouterr().err.strip()
-    option = re.search(r"(--config\.model\.options\.grouped=)\"(.*?)\"", hint)
+    option = re.search(r"--config\.model\.options\.grouped=\"(.*?)\"", hint)
     assert option and "needs a grouped model" in hint, hint
-    # The hint, followed literally, runs (G = 2 groups over the MLP's last 2 layers here).
-    grouped = option.group(2).replace("10", "2").replace("6", "2")
+    # The hint, followed literally, runs (G = 10 groups over the MLP's last 2 of 3 layers).
     assert main.main(["prog", *SYNTHETIC, f"--workdir={w}", "--config.algorithm=fed2",
-                      "--config.rounds=1", option.group(1) + grouped,
+                      "--config.rounds=1", f"--config.model.options.grouped={option.group(1)}",
                       "--config.model.options.hidden=(32, 32)"]) == 0
     with open(w / "config.json") as f:
-        assert json.load(f)["model"]["options"] == {"grouped": {"groups": 2, "depth": 2},
+        assert json.load(f)["model"]["options"] == {"grouped": {"groups": 10, "depth": 2},
                                                     "hidden": [32, 32]}
 
 
@@ -202,3 +201,14 @@ def test_personalised_algorithms_run_on_the_smoke_preset_as_they_are(tmp_path, c
     assert "own test (last 5)" in out and f"{100 * own:.2f}%" in out
     with open(w / "summary.json") as f:
         assert json.load(f)["final_pfl_accuracy"] == own
+
+
+def test_a_file_as_the_workdir_or_above_it_exits_4_naming_it(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep")
+    for workdir in (notes, notes / "run"):
+        assert main.main(["prog", *SYNTHETIC, f"--workdir={workdir}"]) == 4
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert lines == [f"error: cannot write workdir '{workdir}': {notes} exists and is not "
+                         "a directory; nothing was written"]
+    assert notes.read_text() == "keep" and os.listdir(tmp_path) == ["notes.txt"]

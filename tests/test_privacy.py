@@ -1,5 +1,6 @@
 """Privacy accounting equals `dp-accounting`'s own composition for the same parameters,
-grows with rounds, and the per-run ledger agrees with it at every round."""
+grows with rounds, and the per-run ledger gives its value at every round, resumed or
+not."""
 
 import math
 
@@ -63,6 +64,18 @@ def test_ledger_agrees_round_by_round_and_after_going_back():
     want = [privacy.epsilon(0.9, t, 1e-5, "uniform", 50, 5) for t in (1, 2, 5, 6)]
     np.testing.assert_allclose(got, want, rtol=1e-12)
     assert ledger.epsilon(3) == pytest.approx(privacy.epsilon(0.9, 3, 1e-5, "uniform", 50, 5))
+
+
+def test_ledger_epsilon_depends_on_the_round_alone():
+    """A resumed run's ledger starts at its checkpoint's round; each round's epsilon is the
+    same float as in the run that went through (here round 8 differed in its last bit when
+    the ledger added one round at a time and the resumed one composed 7 at once)."""
+    args = (1.1, 1e-4, "poisson", 20, 4, 0.2)
+    through = privacy.Ledger(*args)
+    want = [through.epsilon(t) for t in range(1, 9)]
+    resumed = privacy.Ledger(*args)
+    assert [resumed.epsilon(t) for t in (7, 8)] == want[6:]
+    assert want[6:] == [privacy.epsilon(1.1, t, 1e-4, "poisson", 20, 4, 0.2) for t in (7, 8)]
 
 
 def test_unknown_sampling():

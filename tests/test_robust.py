@@ -46,9 +46,14 @@ def test_multi_krum_without_byzantine_clients_is_the_weighted_mean():
     np.testing.assert_allclose(got["w"], want, rtol=1e-5, atol=1e-6)
 
 
-def test_multi_krum_refuses_too_few_clients():
+def test_multi_krum_clips_a_round_of_too_few_clients():
+    # A config with n <= f + 2 clients a round is refused (`krum_kept`, the rule's check);
+    # a round that has that few (Poisson sampling, late clients) scores each client on
+    # its one nearest (here all 1: ties to the lower index) and keeps clip(n - f, 1, n).
     with pytest.raises(ValueError, match="more than f \\+ 2 clients"):
-        robust.multi_krum(3).finalize(_tree(POINTS), jnp.full(5, 0.2))
+        robust.krum_kept(5, 3)
+    got = robust.multi_krum(3).finalize(_tree(POINTS), jnp.full(5, 0.2))
+    np.testing.assert_allclose(got["a"], [0.5])  # clients 0 and 1
     with pytest.raises(ValueError, match="f >= 0"):
         robust.multi_krum(-1)
 
@@ -111,13 +116,54 @@ def test_rules_from_a_config_run_and_bad_ones_are_named():
     from test_experiment import config
     for rule in ("multi_krum", "geometric_median"):
         exp = experiment.build(config(rounds=1, aggregation__rule=rule,
-                                      aggregation__byzantine=1))
+                                      aggregation__byzantine=int(rule == "multi_krum")))
         state, stats = exp.simulation.round(exp.simulation.init(exp.variables))
         assert np.isfinite(stats["train_loss"])
         assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(state.server))
-    # The smoke preset samples 4 of 20 clients: Krum needs 4 > f + 2.
+    # The smoke preset samples 4 of 20 clients: Krum needs 4 > f + 2, Zeno 4 > b.
     with pytest.raises(ConfigError, match="aggregation.byzantine = 2"):
         experiment.build(config(aggregation__rule="multi_krum", aggregation__byzantine=2))
+    for b in (4, 100):
+        with pytest.raises(ConfigError, match=rf"aggregation.byzantine={b} with aggregation"
+                                              r".rule='zeno' \(4 clients a round\)"):
+            experiment.build(config(aggregation__rule="zeno", aggregation__byzantine=b))
+    with pytest.raises(ConfigError, match="aggregation.byzantine=1 is not used by "
+                                          "aggregation.rule='geometric_median'"):
+        experiment.build(config(aggregation__rule="geometric_median", aggregation__byzantine=1))
+
+
+@pytest.mark.parametrize("rule,b", [("multi_krum", 1), ("zeno", 3)])
+def test_rounds_of_fewer_clients_than_the_rule_tolerates_are_clipped(rule, b):
+    # Poisson sampling draws 1 to 7 of the nominal 4 a round (rounds 3 and 4: 2 and 1):
+    # Multi-Krum scores on one neighbour at least and keeps one at least, Zeno keeps
+    # its best one; the run goes on.
+    from fedjax_pan.run import experiment
+    from test_experiment import config
+    exp = experiment.build(config(rounds=5, sampling="poisson", aggregation__rule=rule,
+                                  aggregation__byzantine=b))
+    sim = exp.simulation
+    assert [len(sim.sample(t)) for t in range(5)] == [5, 7, 5, 2, 1]
+    state = sim.init(exp.variables)
+    for _ in range(5):
+        state, stats = sim.round(state)
+        assert np.isfinite(stats["train_loss"])
+    assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(state.server))
+
+
+def test_multi_krum_and_zeno_clip_by_hand():
+    # Two clients present where f = 1 needs four: each is scored on its one neighbour
+    # (equal scores: the lower index wins) and m = clip(2 - 1, 1, 2) = 1 is kept, in a
+    # stack of two or among empty slots.
+    two = _tree([0.0, 10.0])
+    w = jnp.asarray([0.5, 0.5])
+    np.testing.assert_allclose(robust.multi_krum(1).finalize(two, w)["a"], [0.0])
+    slots = _tree([7.0, 0.0, 7.0, 10.0])
+    w_slots = jnp.asarray([0.0, 0.5, 0.0, 0.5])
+    np.testing.assert_allclose(robust.multi_krum(1).finalize(slots, w_slots)["a"], [0.0])
+    with pytest.raises(ValueError, match="Krum needs more than f \\+ 2 clients a round"):
+        robust.krum_kept(2, 1)
+    with pytest.raises(ValueError, match="needs 0 <= b < n: 4 clients, b = 4"):
+        robust.zeno_kept(4, 4)
 
 
 @pytest.mark.parametrize("name", ["median", "trimmed_mean", "multi_krum", "geometric_median"])
@@ -178,3 +224,7 @@ def test_zeno_keeps_the_models_that_descend_most_by_hand():
     # With a large rho the step dominates: 1.6 - ... client 0 (step 4) beats 1 (12.25).
     got = robust.zeno(3, 1.0, score).finalize(models, weights, arrivals)
     np.testing.assert_allclose(got["params"]["w"], [2.0])
+    # Two present (clients 1 and 2) where b = 2 would keep none: the better one (1) is.
+    few = jnp.asarray([0.0, 0.5, 0.5, 0.0])
+    got = robust.zeno(2, 0.1, score).finalize(models, few, arrivals)
+    np.testing.assert_allclose(got["params"]["w"], [3.5])

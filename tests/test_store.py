@@ -2,6 +2,7 @@
 (`ClientStates`) and `DiskStates`'s slots against a plain list of states (the reference),
 across rounds, checkpoints and restarts."""
 
+import errno
 import json
 import os
 import shutil
@@ -10,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import ROOT
 from fedjax_pan.run import experiment
 from fedjax_pan.engine import store
 from fedjax_pan.engine.store import DiskStates, _Slots
@@ -250,3 +252,88 @@ def test_moon_on_disk_over_many_rounds_and_checkpoints_equals_moon_in_memory():
                                                finals["device"].client_states)),
                     jax.tree_util.tree_leaves((finals["disk"].server, on_disk))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_faults_of_the_files_are_one_error_naming_their_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "s"
+    one = sum(x.nbytes for x in jax.tree_util.tree_leaves(_template()))
+    # K states that cannot fit are refused before anything is written.
+    monkeypatch.setattr(store, "free_space", lambda path: 10 * one)
+    with pytest.raises(store.StoreWriteError) as info:
+        DiskStates.create(_template(), 11, str(folder))
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(folder)
+    assert "11 clients' states need" in info.value.strerror and not folder.exists()
+    states = DiskStates.create(_template(), 10, str(folder))
+    rng, ref = np.random.default_rng(4), _reference(10)
+    # A write cut short is not a fault: it goes on from where it stopped.
+    real = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: real(fd, data[:1], offset))
+    states = _round(rng, states, ref, 3, 0)
+    monkeypatch.setattr(os, "pwrite", real)
+    assert _equal(states.gather(np.arange(10)), _stack(ref, range(10)))
+
+    # A full disk: half a slot is written, then ENOSPC.
+    def full(fd, data, offset):
+        if len(data) > 1:
+            return real(fd, data[:len(data) // 2], offset)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "pwrite", full)
+    with pytest.raises(store.StoreWriteError) as info:
+        _round(rng, states, list(ref), 3, 1)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(folder)
+    monkeypatch.setattr(os, "pwrite", real)
+    assert _equal(states.gather(np.arange(10)), _stack(ref, range(10)))  # as it was
+
+    def broken(fd):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+    monkeypatch.setattr(os, "fsync", broken)
+    with pytest.raises(store.StoreWriteError) as info:
+        states.flush()
+    assert info.value.errno == errno.EIO and info.value.filename == str(folder)
+
+
+def test_a_full_disk_under_the_client_states_exits_4_and_the_run_resumes(tmp_path, capsys,
+                                                                          monkeypatch):
+    from fedjax_pan.run import main
+    w = tmp_path / "w"
+    args = ["prog", "--config=" + os.path.join(ROOT, "configs", "fmnist_mlp.py") + ":smoke",
+            "--noprogress", "--config.dataset.name=synthetic", "--config.algorithm=scaffold",
+            "--config.execution.client_states=disk", "--config.rounds=3",
+            "--config.checkpoint_every=1", "--config.model.options.hidden=(64, 64, 64)",
+            f"--workdir={w}"]
+    folder = os.path.join(w, store.FOLDER)
+
+    def err():
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: cannot write the client "
+                                                       "states: "), lines
+        return lines[0]
+    # At the start: the K states cannot fit. Nothing was saved, nothing is left.
+    with monkeypatch.context() as m:
+        m.setattr(store, "free_space", lambda path: 1 << 10)
+        assert main.main(args) == 4
+    line = err()
+    assert "No space left on device (20 clients' states need" in line
+    assert line.endswith(f"({folder}); no round of it was saved; free space; run the "
+                         "command again") and not w.exists()
+    # In round 2, once round 1 is saved.
+    real = os.pwrite
+
+    def full(fd, data, offset):
+        if (w / "checkpoints" / "1").exists():
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(fd, data, offset)
+    with monkeypatch.context() as m:
+        m.setattr(os, "pwrite", full)
+        assert main.main(args) == 4
+    kept = f"({folder}); {w} holds round 1 (checkpoint of round 1); free space; continue "
+    assert err() == f"error: cannot write the client states: No space left on device {kept}" \
+        "with --resume"
+    # Resumed on a disk still full: the round kept is named (before it is read back).
+    with monkeypatch.context() as m:
+        m.setattr(store, "free_space", lambda path: 1 << 10)
+        assert main.main(args + ["--resume"]) == 4
+    assert err().endswith(f"MiB free) {kept}with --resume")
+    # With space, it continues to the end.
+    assert main.main(args + ["--resume"]) == 0
+    assert [r["round"] for r in metrics(w)] == [1, 2, 3]

@@ -1,11 +1,14 @@
 """Stragglers: the delay model (and the authors' forced delays), the round plans by hand,
-the in-flight buffer against a plain-Python event simulation, delay 0 (and waiting for
-everyone, or every free client forced to 0) bit for bit the synchronous engine, and
-resume with outputs in flight."""
+the in-flight buffer against a plain-Python event simulation (and its slots bounded by
+what can be in flight, even for long delays), delay 0 (and waiting for everyone, or every
+free client forced to 0) bit for bit the synchronous engine, resume with outputs in
+flight (and from a checkpoint of the earlier D * D slots), and outputs in flight too big
+for the memory refused before the data load."""
 
 import os
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +17,9 @@ from conftest import tiny_clients
 from fedjax_pan.run import experiment
 from fedjax_pan.algorithms.aggregation import median
 from fedjax_pan.algorithms.core import FederatedAlgorithm
+from fedjax_pan.data import sources
 from fedjax_pan.engine import LocalWork, Simulation, make_executor, timing
+from fedjax_pan.engine.protocol import tree_bytes
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_experiment import config, metrics  # noqa: E402
@@ -155,10 +160,15 @@ def test_stale_outputs_arrive_as_a_plain_event_simulation_says(stacked):
     model = timing.Stragglers(2, "stale")
     ex = make_executor("loop", algo, WORK, cd, {}, 6)
     sim = Simulation(algo, cd, WORK, ex, 0.5, seed=3, stragglers=model)
-    state = sim.init({})
-    want = _event_simulation(sim, model, 12, stacked)
-    late_seen = False
-    for t in range(12):
+    _check_against_event_simulation(sim, model, sim.init({}), 12, stacked)
+
+
+def _check_against_event_simulation(sim, model, state, rounds, stacked):
+    """Runs `rounds` rounds from `state`, each aggregate as `_event_simulation` says;
+    returns the last state and the most slots in flight that held something."""
+    want = _event_simulation(sim, model, rounds, stacked)
+    late_seen, most = False, 0
+    for t in range(rounds):
         last = float(state.server["last"])
         state, stats = sim.round(state)
         value, count = want[t]
@@ -169,7 +179,120 @@ def test_stale_outputs_arrive_as_a_plain_event_simulation_says(stacked):
         else:
             assert float(state.server["last"]) == pytest.approx(value, rel=1e-6)
         assert stats["sim_time"] == t + 1
+        most = max(most, int((state.timing.arrival >= 0).sum()))
     assert late_seen
+    return state, most
+
+
+def test_in_flight_slots_count_what_can_be_in_flight():
+    # Streaming, D = 2: a group of delay 1 or 2 from the last round, one of delay 2 from the
+    # round before; D = 30 with 4 a round: 1 + 2 + 3 + 4 * 27 groups, or the K clients.
+    assert timing.in_flight_slots(2, 4, 100, stacked=False) == 3
+    assert timing.in_flight_slots(30, 4, 1000, stacked=False) == 114
+    assert timing.in_flight_slots(30, 4, 20, stacked=False) == 20
+    assert timing.in_flight_slots(30, 4, 20, stacked=True) == 120  # a client a slot
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["streaming", "stacked"])
+def test_a_long_delay_keeps_a_slot_per_output_that_can_be_in_flight(stacked):
+    """max_delay = 30 once kept D * D = 900 slots for a streaming rule; now the outputs in
+    flight take at most a slot per client that can be late at once (K = 12), and arrive
+    as the event simulation says."""
+    _, cd = tiny_clients([9] * 12)
+    algo = _tagging_algorithm(stacked)
+    model = timing.Stragglers(30, "stale")
+    ex = make_executor("loop", algo, WORK, cd, {}, 6)
+    sim = Simulation(algo, cd, WORK, ex, 0.5, seed=3, stragglers=model)
+    state, most = _check_against_event_simulation(sim, model, sim.init({}), 40, stacked)
+    st = state.timing
+    entry = tree_bytes(jax.tree_util.tree_map(lambda x: x[0], st.entries))
+    held = sum(np.asarray(x).nbytes for x in jax.tree_util.tree_leaves(st))
+    slots = 30 * 6 if stacked else 12  # streaming: the K clients bound the groups
+    assert len(st.arrival) == slots
+    # The state: its slots' entries, their weight, arrival, origin and ids, and the clock
+    # and the clients' free times.
+    width = 1 if stacked else 6
+    assert held == slots * (entry + 4 + 8 + 8 + 8 * width) + 8 + 12 * 8
+    assert most == 12  # every client late at once: the K slots are all used
+
+
+def test_a_checkpoint_of_the_earlier_layout_resumes_bit_for_bit(tmp_path):
+    """Checkpoints written while a streaming rule kept D * D slots (here 9) resume: the
+    first empty slot was always taken, so the slots past the ones now kept (6) are empty."""
+    from fedjax_pan.engine import SimState
+    from fedjax_pan.workdir import Checkpoints
+    _, cd = tiny_clients([9] * 12)
+    algo = _tagging_algorithm(False)
+    model = timing.Stragglers(3, "stale")
+    ex = make_executor("loop", algo, WORK, cd, {}, 6)
+    sim = Simulation(algo, cd, WORK, ex, 0.5, seed=3, stragglers=model)
+    state = sim.init({})
+    for _ in range(4):
+        state, _ = sim.round(state)
+    assert len(state.timing.arrival) == 6 and (state.timing.arrival >= 0).any()
+    legacy = state._replace(timing=timing.resized(state.timing, 9))
+    ckpt = Checkpoints(str(tmp_path))
+    ckpt.save(4, legacy.saved(), {})
+    tree, _, _ = ckpt.restore(4, sim.init({}).saved())
+    resumed = SimState.restored(tree, 4)
+    assert len(resumed.timing.arrival) == 9
+    for _ in range(5):
+        state, stats = sim.round(state)
+        resumed, resumed_stats = sim.round(resumed)
+        assert resumed_stats == stats
+        for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(resumed)):
+            np.testing.assert_array_equal(a, b)  # the slots kept too: 6 again
+    # A slot past those kept that holds an output: not a state of this config.
+    full = legacy.timing._replace(arrival=np.where(np.arange(9) == 8, 7, -1))
+    with pytest.raises(ValueError, match="past the first 6 hold outputs"):
+        timing.resized(full, 6)
+
+
+def test_outputs_in_flight_that_cannot_fit_are_refused_before_the_data_loads(monkeypatch):
+    from fedjax_pan.algorithms import stragglers
+    from fedjax_pan.errors import ConfigError
+    from fedjax_pan.run import assembly
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the data were loaded")
+    monkeypatch.setattr(assembly, "_load_dataset", no_load)
+    assert timing.available_memory() > 100_000_000  # this machine's, read from the kernel
+    monkeypatch.setattr(timing, "available_memory", lambda: 100_000_000)  # 0.1 GB
+    big = config(straggler__max_delay=100, partition__num_clients=1000, participation=0.1)
+    # 1000 groups (the K clients) of the 64-wide MLP's 236,840 bytes: 0.24 GB.
+    assert stragglers.model_bytes(big) == 236840
+    with pytest.raises(ConfigError, match=r"config\.straggler\.max_delay=100 with 100 clients "
+                                          r"a round \(of 1000\) can keep 1000 outputs.*"
+                                          r"about 0\.2 GB.*0\.1 GB of memory available"):
+        assembly.build(big)
+    # Those that fit, or keep nothing in flight, pass.
+    assembly.validate(config(straggler__max_delay=2, partition__num_clients=1000,
+                             participation=0.1))
+    assembly.validate(config(straggler__max_delay=100, partition__num_clients=1000,
+                             participation=0.1, straggler__policy="ignore"))
+    # After the data load the engine checks the entry's own size (an output may be
+    # larger than the model) before it allocates the slots.
+    _, cd = tiny_clients([9] * 12)
+    algo = _tagging_algorithm(True)
+    sim = Simulation(algo, cd, WORK, make_executor("loop", algo, WORK, cd, {}, 6), 0.5,
+                     stragglers=timing.Stragglers(30, "stale"))
+    monkeypatch.setattr(timing, "available_memory", lambda: 1000)
+    with pytest.raises(ConfigError, match="straggler.max_delay=30 with 6 clients a round"):
+        sim.init({})
+
+
+def test_the_model_size_known_before_the_data_load_is_the_built_models():
+    from fedjax_pan.algorithms import stragglers
+    from fedjax_pan.run import assembly
+    cfg = config(straggler__max_delay=2, rounds=1)
+    exp = assembly.build(cfg)
+    assert stragglers.model_bytes(cfg) == tree_bytes(exp.variables)
+    # The input shapes and classes the estimate assumes are those the data have.
+    try:
+        ds = assembly.load_dataset("fashion_mnist")
+    except Exception:  # noqa: BLE001 - not installed here
+        return
+    assert sources.SHAPES["fashion_mnist"] == (ds.input_shape, ds.num_classes)
 
 
 def test_every_delay_zero_is_the_synchronous_engine_bit_for_bit(tmp_path):

@@ -1,9 +1,11 @@
 """Workdirs: refusals before writes, atomic files, overwrite that loses nothing, checkpoints."""
 
 import errno
+import gc
 import os
 import shutil
 import signal
+import weakref
 
 import jax.numpy as jnp
 import numpy as np
@@ -67,9 +69,14 @@ def test_check_refuses_without_writing(tmp_path, monkeypatch):
         wd.check(str(tmp_path / "w"), resume=True, overwrite=True)
     with pytest.raises(ConfigError, match="nothing to resume"):
         wd.check(str(tmp_path / "w"), resume=True, overwrite=False)
+    # A file as the workdir, or above it, is a filesystem fault (status 4), naming it.
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match="not a directory"):
-        wd.check(str(tmp_path / "file"), resume=False, overwrite=False)
+    for workdir in ("file", "file/sub", "file/sub/deeper"):
+        for resume, overwrite in ((False, False), (True, False), (False, True)):
+            with pytest.raises(WorkdirError, match=f"^cannot write workdir '.*{workdir}': "
+                                                   f"{tmp_path / 'file'} exists and is not a "
+                                                   "directory; nothing was written$"):
+                wd.check(str(tmp_path / workdir), resume=resume, overwrite=overwrite)
 
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS))
@@ -229,6 +236,80 @@ def test_signals_wait_for_the_end_of_a_deferred_block():
         for _ in range(1000):
             pass
 
+
+def _deliver(sig):
+    """Sends `sig` to this process and runs bytecode until Python has called its handler."""
+    os.kill(os.getpid(), sig)
+    for _ in range(1000):
+        pass
+
+
+def test_a_signal_in_a_finalizer_is_raised_at_the_next_safe_point(capsys):
+    """A handler that raised lost the signal when the garbage collector ran a __del__ at
+    that moment ('Exception ignored in ...'); now it waits for a safe point."""
+    class Sender:
+        def __del__(self):
+            _deliver(signal.SIGTERM)
+    before, steps = signal.getsignal(signal.SIGTERM), []
+    with pytest.raises(KeyboardInterrupt) as info:
+        with wd.interrupts_at_safe_points():
+            a, b = Sender(), Sender()
+            a.other, b.other = b, a  # a cycle: freed by the collector, not by `del`
+            del a, b
+            gc.collect()  # two SIGTERMs: the second one raises in a __del__, and is kept
+            steps.append("the collection ended")
+            wd.raise_pending_signal()
+            steps.append("past the safe point")
+    assert steps == ["the collection ended"]
+    assert wd.signal_number(info.value) == signal.SIGTERM
+    assert "Exception ignored" not in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) is before
+    wd.raise_pending_signal()  # raised once: nothing is left pending
+
+
+def test_a_signal_in_a_weakref_callback_is_raised_at_the_next_safe_point():
+    class Thing:
+        pass
+    steps = []
+    with pytest.raises(KeyboardInterrupt) as info:
+        with wd.interrupts_at_safe_points():
+            thing = Thing()
+            ref = weakref.ref(thing, lambda _: _deliver(signal.SIGINT))
+            del thing  # the callback runs here
+            steps.append("the callback ran")
+            wd.raise_pending_signal()
+    assert steps == ["the callback ran"] and ref() is None
+    assert wd.signal_number(info.value) == signal.SIGINT
+
+
+def test_signals_wait_for_safe_points_and_the_same_one_again_raises_at_once():
+    with wd.interrupts_at_safe_points():
+        _deliver(signal.SIGTERM)
+        _deliver(signal.SIGINT)  # another kind waits too; the first is the one raised
+        with pytest.raises(KeyboardInterrupt) as info:
+            _deliver(signal.SIGTERM)  # insisting: a phase without safe points stops now
+        assert wd.signal_number(info.value) == signal.SIGTERM
+        wd.raise_pending_signal()  # nothing left: the block ends normally
+    steps = []
+    with pytest.raises(KeyboardInterrupt) as info:
+        with wd.interrupts_at_safe_points():
+            _deliver(signal.SIGTERM)
+            with wd.deferred_interrupts():
+                wd.raise_pending_signal()  # no safe point while files are written
+                _deliver(signal.SIGTERM)  # nor does insisting cut them
+                steps.append("written")
+            steps.append("past the end of the writes")
+    assert steps == ["written"] and wd.signal_number(info.value) == signal.SIGTERM
+    with pytest.raises(KeyboardInterrupt) as info:
+        with wd.interrupts_at_safe_points():
+            _deliver(signal.SIGTERM)
+            steps.append("after the last safe point")
+    assert steps[-1] == "after the last safe point"  # raised as the block ends
+    with pytest.raises(ValueError):  # an error on its way out is what is reported...
+        with wd.interrupts_at_safe_points():
+            _deliver(signal.SIGTERM)
+            raise ValueError
+    wd.raise_pending_signal()  # ...and later code inherits no signal
 
 def test_a_save_that_cannot_fit_is_refused_before_writing(tmp_path, monkeypatch):
     ck = wd.Checkpoints(str(tmp_path))

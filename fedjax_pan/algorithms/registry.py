@@ -12,7 +12,7 @@ from typing import Any, Dict
 import flax.linen as nn
 import optax
 
-from fedjax_pan.algorithms import aggregation, core
+from fedjax_pan.algorithms import aggregation, core, stragglers
 from fedjax_pan.algorithms.core import AlgorithmEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.personal.apfl import ENTRY as APFL
 from fedjax_pan.algorithms.personal.apple import ENTRY as APPLE
@@ -176,7 +176,8 @@ def from_config(model: nn.Module, cfg: Any, public: Any = None, public_labels: A
         if algorithm.aggregator is not core.weighted_mean:
             raise ValueError(f"{cfg.algorithm} aggregates its outputs its own way; "
                              f"aggregation.rule must be 'mean', got {agg.rule!r}")
-        rule = aggregation.from_config(cfg, model, public, public_labels)
+        rule = aggregation.from_config(cfg, model, public, public_labels,
+                                       late=stragglers.late(cfg))
         if rule.space == "model" and algorithm.model_view is None:
             raise ValueError(f"aggregation.rule={agg.rule!r} combines models, and "
                              f"{cfg.algorithm}'s output is not a model or an update")

@@ -4,11 +4,19 @@ engine's `engine.timing` simulates them (delays, the server's policy) inside `Si
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
+import jax
+import jax.numpy as jnp
+
+from fedjax_pan import models
+from fedjax_pan.algorithms import aggregation
 from fedjax_pan.algorithms.core import Build, FeatureEntry, FederatedAlgorithm
 from fedjax_pan.algorithms.sampling import cohort_sampling
-from fedjax_pan.engine.timing import DELAYS, POLICIES, Stragglers, forced_error
+from fedjax_pan.data import sources
+from fedjax_pan.engine.protocol import tree_bytes
+from fedjax_pan.engine.simulation import clients_per_round
+from fedjax_pan.engine.timing import DELAYS, POLICIES, Stragglers, forced_error, in_flight_error
 from fedjax_pan.rules import Rule, between, one_of
 
 
@@ -19,6 +27,40 @@ def _straggler_check(cfg: Any) -> None:
                          f"{st.max_delay}, got {tuple(st.forced)}")
     if cohort_sampling(cfg) != "uniform" and st.max_delay > 0:
         raise ValueError("sampling='poisson' needs straggler.max_delay=0")
+    if st.max_delay > 0 and st.policy == "stale":
+        model = model_bytes(cfg)
+        k = cfg.partition.num_clients
+        error = None if model is None else in_flight_error(
+            st.max_delay, clients_per_round(cfg.participation, k), k, _stacked(cfg), model)
+        if error is not None:
+            raise ValueError(error)
+
+
+def model_bytes(cfg: Any) -> Optional[int]:
+    """Bytes of the variables of `cfg`'s model, from their shapes alone (no data, no
+    computation); None where the dataset's input is not known before its load or the
+    model cannot be built (the assembly says why)."""
+    if cfg.dataset.name not in sources.SHAPES:
+        return None
+    input_shape, classes = sources.SHAPES[cfg.dataset.name]
+    try:
+        model = models.build(cfg.model.name, classes,
+                             pan=None if not cfg.pan.amplitude else cfg.pan.to_dict(),
+                             norm=cfg.model.norm, **cfg.model.options.to_dict())
+        variables = jax.eval_shape(lambda key: models.init(model, key, input_shape),
+                                   jax.ShapeDtypeStruct((2,), jnp.uint32))
+    except (TypeError, ValueError):
+        return None
+    return tree_bytes(variables)
+
+
+def _stacked(cfg: Any) -> bool:
+    """The aggregation rule of `cfg` sees the outputs stacked (else it streams them)."""
+    try:
+        return aggregation.RULES[cfg.aggregation.rule].build(
+            cfg.aggregation, aggregation.RuleContext(late=True)).stacked
+    except (KeyError, TypeError, ValueError):
+        return True  # the more slots
 
 
 def _straggler_wrap(algorithm: FederatedAlgorithm, build: Build) -> FederatedAlgorithm:
@@ -59,4 +101,4 @@ def late(cfg: Any) -> bool:
     return FEATURE.first_on(cfg) is not None
 
 
-__all__ = ["FEATURE", "late"]
+__all__ = ["FEATURE", "late", "model_bytes"]

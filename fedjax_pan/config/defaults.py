@@ -69,9 +69,14 @@ def default_config() -> ml_collections.ConfigDict:
     c.sampling = "auto"
     # client_states: where the K clients' persistent states live, 'auto' (by size:
     # device, host, then disk) or one of 'device', 'host', 'disk' (engine/store.py).
+    # precision: 'bfloat16' computes every model's forward and backward pass in bfloat16
+    # on float32 weights, optimiser states and losses (models/precision.py);
+    # matmul_precision: XLA's 'default', 'high' or 'highest' for float32 matrix products.
     c.execution = ml_collections.ConfigDict({"strategy": "auto",
                                              "block_size": placeholder(int),
-                                             "client_states": "auto"})
+                                             "client_states": "auto",
+                                             "precision": "float32",
+                                             "matmul_precision": "default"})
     # local: also log each client's expected accuracy on a test set with its label mix.
     # finetune_epochs > 0: before each evaluation every client trains the model it is
     # scored on for this many epochs of its own data (FedAvg-C;

@@ -28,6 +28,7 @@ from fedjax_pan.engine.store import PLACES
 from fedjax_pan.engine.simulation import AGGREGATIONS
 from fedjax_pan.errors import ConfigError, require
 from fedjax_pan.models.layers import parse_norm
+from fedjax_pan.models.precision import MATMUL_PRECISIONS, PRECISIONS
 from fedjax_pan.pan import KINDS
 from fedjax_pan.rules import Rule, between, boolean, directory, one_of
 
@@ -100,6 +101,8 @@ RULES: Dict[str, Rule] = {
     "execution.strategy": one_of(STRATEGIES),
     "execution.block_size": between(1, 1e5, integer=True, optional=True),
     "execution.client_states": one_of(PLACES),
+    "execution.precision": one_of(PRECISIONS),
+    "execution.matmul_precision": one_of(MATMUL_PRECISIONS),
     "eval.every": between(1, 1e6, integer=True),
     "eval.batch_size": between(1, 1e6, integer=True),
     "eval.local": Rule(boolean),
@@ -110,6 +113,21 @@ RULES: Dict[str, Rule] = {
 # Each algorithm's options, config.<algorithm>.<key>, with the rules it declares.
 RULES.update({f"{name}.{key}": rule for name, entry in ALGORITHMS.items()
               for key, rule in entry.rules.items()})
+
+# Where execution.precision other than 'float32' cannot reach, and why: the policy wraps
+# the networks a run builds from config.model, and these configurations compute on
+# networks their algorithm builds itself. algorithm -> (applies(cfg), why).
+UNMIXED: Dict[str, Tuple[Any, str]] = {
+    "fedma": (lambda cfg: True,
+              "FedMA grows the network's matched layers and rebuilds the grown network "
+              "itself (models.resized)"),
+    "ktpfl": (lambda cfg: bool(cfg.ktpfl.architectures),
+              "KT-pFL builds the networks ktpfl.architectures lists itself"),
+    "fedkd": (lambda cfg: True, "FedKD trains the student network fedkd.student names, "
+              "which it builds itself"),
+    "fml": (lambda cfg: True, "FML trains the meme network fml.meme names, which it "
+            "builds itself"),
+}
 
 
 def leaves(cfg: ml_collections.ConfigDict, prefix: str = "") -> Iterator[Tuple[str, Any]]:
@@ -197,6 +215,11 @@ def _cross_checks(cfg: ml_collections.ConfigDict) -> None:
             f"config.model.architectures runs clients of several networks, which algorithm "
             f"{cfg.algorithm!r} cannot (its clients send what depends on their network; "
             f"those that can: {', '.join(several)}); got {cfg.model.architectures!r}")
+    applies, why = UNMIXED.get(cfg.algorithm, (lambda cfg: False, ""))
+    require(cfg.execution.precision == "float32" or not applies(cfg),
+            f"config.execution.precision={cfg.execution.precision!r} is not available with "
+            f"algorithm {cfg.algorithm!r} as configured: {why}, outside the precision "
+            f"policy; set execution.precision='float32'")
     if entry.check is not None:
         try:
             entry.check(cfg)

@@ -41,7 +41,7 @@ from fedjax_pan.data.dataset import Dataset, DataError, Stats, channel_stats
 
 __all__ = [
     "Dataset", "DataError", "NORMALIZATION", "AUTHORS_NORMALIZATION", "load", "normalize",
-    "normalization", "channel_stats", "read_idx", "subset", "synthetic", "DATASETS", "GROUPED_DATASETS",
+    "normalization", "channel_stats", "read_idx", "subset", "synthetic", "DATASETS", "GROUPED_DATASETS", "SHAPES",
 ]
 
 
@@ -64,6 +64,14 @@ AUTHORS_NORMALIZATION: dict[str, Stats] = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
     "cifar100": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
 }
+
+# (input shape, classes) of each dataset as loaded (`synthetic`: its defaults), known
+# before the load: a model's size follows from them.
+SHAPES: dict[str, tuple[tuple[int, int, int], int]] = {
+    **{name: ((28, 28, 1), 10) for name in ("fashion_mnist", "mnist", "synthetic")},
+    "emnist": ((28, 28, 1), 62), "femnist": ((28, 28, 1), 62),
+    **{name: ((32, 32, 3), 10) for name in ("cifar10", "svhn_cropped", "cinic10")},
+    "cifar100": ((32, 32, 3), 100), "gtsrb": ((32, 32, 3), 43)}
 
 # Names accepted by `load`, in a stable order for error messages (femnist's statistics
 # are computed at load time, see the module docstring).

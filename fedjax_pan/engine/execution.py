@@ -45,6 +45,7 @@ from fedjax_pan.engine.protocol import ClientContext, FederatedAlgorithm, tree_b
 from fedjax_pan.engine.clients import (ClientData, LocalWork, augment_batch, augment_key,
                                        batch_order, computed_alone, make_batch, step_batch,
                                        step_rows, tail_rows)
+from fedjax_pan.workdir import raise_pending_signal
 
 PyTree = Any
 STRATEGIES = ("auto", "loop", "vmap", "sharded")
@@ -292,6 +293,7 @@ class LoopExecutor:
         p = self.program
         metrics, states, outputs, carry, out_sum = None, [], [], None, None
         for m, client in enumerate(cohort.ids):
+            raise_pending_signal()  # a SIGINT/SIGTERM: the round is dropped, its state kept
             client_state, ctx, info = _client_args(self.data, cohort, m)
             if carry is None:
                 carry = self._init(server, client_state, ctx)
@@ -511,6 +513,7 @@ class VmapExecutor:
             out_sum, metrics = zeros()
         try:
             for g in blocks:
+                raise_pending_signal()  # a SIGINT/SIGTERM: the round is dropped, its state kept
                 if done is None:
                     result, metrics, new_states = self._run_block(*next(calls), out_sum,
                                                                   metrics)

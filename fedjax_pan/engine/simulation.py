@@ -27,6 +27,7 @@ from fedjax_pan.engine.protocol import (Arrivals, FederatedAlgorithm, Recruiter,
 from fedjax_pan.engine.clients import (ClientData, LocalWork, client_keys, real_examples,
                                        step_batch)
 from fedjax_pan.engine.execution import Cohort, CohortResult, pop_upload_bytes
+from fedjax_pan.errors import ConfigError
 
 PyTree = Any
 AGGREGATIONS = ("uniform", "num_examples")
@@ -465,17 +466,26 @@ class Simulation(RoundDefaults):
             return jax.tree_util.tree_map(lambda x: x[0], (entries, scores))
         return jax.eval_shape(entry, server, one_state)
 
+    def _in_flight_slots(self) -> int:
+        return timing.in_flight_slots(self.stragglers.max_delay, self.num_sampled,
+                                      self.data.num_clients, self.algorithm.aggregator.stacked)
+
     def _empty_time(self, server: PyTree, client_states: PyTree) -> timing.TimeState:
         k = self.data.num_clients
         if self.stragglers.policy != "stale":
             return timing.empty(k)
-        d, m = self.stragglers.max_delay, self.num_sampled
-        # In flight after a round: outputs of the last D rounds. Stacked: one slot a
-        # client (D * M); streaming: one a (round, delay) group (D * D), each up to M ids.
-        slots, width = (d * m, 1) if self.algorithm.aggregator.stacked else (d * d, m)
-        zeros = jax.tree_util.tree_map(lambda s: np.zeros((slots,) + s.shape, s.dtype),
-                                       self._one_entry(server, client_states))
-        return timing.empty(k, zeros, width)
+        stacked = self.algorithm.aggregator.stacked
+        one = self._one_entry(server, client_states)
+        # The config's check before the data load estimated the model's size; this is the
+        # entry's own (an algorithm's output may be several models).
+        error = timing.in_flight_error(self.stragglers.max_delay, self.num_sampled, k,
+                                       stacked, tree_bytes(one))
+        if error is not None:
+            raise ConfigError(f"config.{error}")
+        # Stacked: a slot a client; streaming: a slot a (round, delay) group of up to M.
+        slots = self._in_flight_slots()
+        zeros = jax.tree_util.tree_map(lambda s: np.zeros((slots,) + s.shape, s.dtype), one)
+        return timing.empty(k, zeros, 1 if stacked else self.num_sampled)
 
     def _stacked_update_fn(self, server, fresh, fresh_weights, slots, slot_weights,
                            staleness, info):
@@ -493,6 +503,9 @@ class Simulation(RoundDefaults):
     def _timed_round(self, state: SimState) -> tuple[SimState, Dict[str, Any]]:
         """A round under the straggler model (engine/timing.py)."""
         t, st = state.round, state.timing
+        if st.arrival is not None:  # a checkpoint's slots, perhaps of an earlier layout
+            st = timing.resized(st, self._in_flight_slots())
+            state = state._replace(timing=st)
         ids = self.sample(t)
         now = float(st.clock[0])
         plan = timing.plan(self.stragglers, now, np.asarray(st.free_at), ids,

@@ -20,6 +20,8 @@ the K slot numbers) on disk; `wrap` gives back the store of such a tree.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -222,6 +224,42 @@ class HostStates(_Stacked):
         return HostStates(tree)
 
 
+class StoreWriteError(OSError):
+    """A write of the client states' files failed (a full disk, say); `filename` is their
+    folder. Raised only by `DiskStates` (a run reports it as a workdir fault)."""
+
+
+@contextlib.contextmanager
+def _writing(directory: str) -> Iterator[None]:
+    """A filesystem fault inside the block as a `StoreWriteError` naming `directory`."""
+    try:
+        yield
+    except StoreWriteError:
+        raise
+    except OSError as e:
+        code = e.errno or errno.EIO
+        raise StoreWriteError(code, e.strerror or os.strerror(code), directory) from e
+
+
+def free_space(path: str) -> int:
+    """Free bytes on the filesystem of `path` (or of its nearest existing parent)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return shutil.disk_usage(path).free
+
+
+def _pwrite_all(fd: int, data, offset: int) -> None:
+    """All of `data` at `offset`: a write cut short goes on from where it stopped (the
+    next one reports why, e.g. ENOSPC); one that writes nothing is a full disk."""
+    view = memoryview(data).cast("B")
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view, offset = view[n:], offset + n
+
+
 class _Slots:
     """One file per leaf of a client's state, in slots of one state each (`pread`/`pwrite`,
     not memory maps: a process's resident memory then holds only what it reads).
@@ -232,7 +270,7 @@ class _Slots:
     checkpoint refers to it; the others are free.
     """
 
-    def __init__(self, directory: str, template: PyTree, owned: bool):
+    def __init__(self, directory: str, template: PyTree, owned: bool, clients: int = 1):
         self.directory = directory
         self.owned = owned  # a temporary folder of this process: removed on close
         leaves, self.treedef = jax.tree_util.tree_flatten(template)
@@ -240,22 +278,34 @@ class _Slots:
         self.dtypes = [np.asarray(x).dtype for x in leaves]
         self.sizes = [int(np.prod(s, dtype=np.int64)) * d.itemsize
                       for s, d in zip(self.shapes, self.dtypes)]
-        os.makedirs(directory, exist_ok=True)
-        meta = {"shapes": [list(s) for s in self.shapes],
-                "dtypes": [d.str for d in self.dtypes]}
-        meta_path = os.path.join(directory, "layout.json")
-        if os.path.exists(meta_path):
-            with open(meta_path) as f:
-                if json.load(f) != meta:
-                    raise ValueError(f"{directory} holds client states of another layout")
-        else:
-            with open(meta_path, "w") as f:
-                json.dump(meta, f)
-        self.fds = [os.open(os.path.join(directory, f"leaf_{i:03d}.bin"),
-                            os.O_RDWR | os.O_CREAT, 0o644) for i in range(len(leaves))]
+        names = [os.path.join(directory, f"leaf_{i:03d}.bin") for i in range(len(leaves))]
+        self.fds: List[int] = []
         # Closed (and a temporary folder removed) when no state refers to it any more.
-        self._closer = weakref.finalize(self, _close, list(self.fds),
-                                        directory if owned else None)
+        self._closer = weakref.finalize(self, _close, self.fds, directory if owned else None)
+        with _writing(directory):
+            # The files reach `clients` slots once every client has trained: a disk that
+            # cannot hold them is refused before any round, not found full in the middle.
+            needed = clients * self.nbytes - sum(os.path.getsize(n) for n in names
+                                                 if os.path.isfile(n))
+            free = free_space(directory)
+            if needed > free:
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({clients} "
+                              f"clients' states need {needed / 2**20:.1f} MiB more, "
+                              f"{free / 2**20:.1f} MiB free)")
+            os.makedirs(directory, exist_ok=True)
+            meta = {"shapes": [list(s) for s in self.shapes],
+                    "dtypes": [d.str for d in self.dtypes]}
+            meta_path = os.path.join(directory, "layout.json")
+            if os.path.exists(meta_path):
+                with open(meta_path) as f:
+                    if json.load(f) != meta:
+                        raise ValueError(f"{directory} holds client states of another "
+                                         "layout")
+            else:
+                with open(meta_path, "w") as f:
+                    json.dump(meta, f)
+            for name in names:
+                self.fds.append(os.open(name, os.O_RDWR | os.O_CREAT, 0o644))
         self.capacity = 1
         self.free: List[int] = []
         self.retired: List[int] = []
@@ -282,13 +332,13 @@ class _Slots:
         return out
 
     def write(self, slots, leaves: List[np.ndarray]) -> None:
-        for fd, size, x in zip(self.fds, self.sizes, leaves):
-            x = np.ascontiguousarray(x)
-            for j, s in enumerate(slots):
-                view = memoryview(x[j].reshape(-1).view(np.uint8)) if size else b""
-                if os.pwrite(fd, view, int(s) * size) != size:
-                    raise OSError(f"short write of client state slot {int(s)} in "
-                                  f"{self.directory}")
+        """Each leaf's rows into `slots`; a failed write raises `StoreWriteError`."""
+        with _writing(self.directory):
+            for fd, size, x in zip(self.fds, self.sizes, leaves):
+                x = np.ascontiguousarray(x)
+                for j, s in enumerate(slots):
+                    if size:
+                        _pwrite_all(fd, x[j].reshape(-1).view(np.uint8), int(s) * size)
 
     def allocate(self, n: int) -> np.ndarray:
         """`n` free slots (more slots are added as needed)."""
@@ -310,8 +360,9 @@ class _Slots:
 
     def flush(self) -> None:
         """On disk, not only in the page cache (before a checkpoint refers to it)."""
-        for fd in self.fds:
-            os.fsync(fd)
+        with _writing(self.directory):
+            for fd in self.fds:
+                os.fsync(fd)
 
     def protect(self, in_use: np.ndarray) -> None:
         """The last checkpoint refers to `in_use`; slots the one before it held, and no
@@ -339,7 +390,7 @@ class _Slots:
 
     def close(self) -> None:
         self._closer()
-        self.fds = []
+        self.fds[:] = []
 
 
 def _close(fds: List[int], temporary: Optional[str]) -> None:
@@ -369,11 +420,13 @@ class DiskStates(ClientStates):
     def create(cls, template: PyTree, num_clients: int, directory: Optional[str] = None
                ) -> "DiskStates":
         """Every one of `num_clients` clients holding `template`, in `directory` (a
-        temporary folder if None)."""
+        temporary folder if None). Raises `StoreWriteError` (ENOSPC) before writing where
+        the disk cannot hold a state for every client, as any later write that fails does."""
         owned = directory is None
         if owned:
             directory = tempfile.mkdtemp(prefix="fedjax_pan-client-states-")
-        files = _Slots(directory, jax.tree_util.tree_map(np.asarray, template), owned)
+        files = _Slots(directory, jax.tree_util.tree_map(np.asarray, template), owned,
+                       clients=num_clients)
         return cls(files, np.zeros(num_clients, np.int32))
 
     @property

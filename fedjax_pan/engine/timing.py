@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -40,6 +41,9 @@ PyTree = Any
 POLICIES = ("wait_all", "wait_share", "ignore", "stale")
 DELAYS = ("uniform", "slow")
 _DELAY_STREAM, _SLOW_STREAM, _FORCED_STREAM = 0x5D, 0x51, 0x5F
+# The share of the available memory the outputs in flight may fill: a round copies them
+# once more as it stores its late outputs, and a checkpoint once more as it writes them.
+MEMORY_SHARE = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,7 +144,9 @@ class TimeState(NamedTuple):
     job ends. In flight (policy stale), slots of `entries` (None otherwise) with their
     `weight`, `arrival` round (-1: empty), `origin` round and `clients` (S, C) ids (-1
     padded): one client's output per slot under a stacked rule, a group's weighted sum
-    (the clients of one round with one delay) under a streaming one.
+    (the clients of one round with one delay) under a streaming one; S is
+    `in_flight_slots`, and a late output takes the first empty slot (the order in which
+    a streaming rule adds up what arrives together).
     """
 
     clock: np.ndarray
@@ -162,6 +168,85 @@ def empty(num_clients: int, entries: Optional[PyTree] = None, width: int = 1) ->
     return TimeState(clock, free, entries, np.zeros(slots, np.float32),
                      np.full(slots, -1, np.int64), np.full(slots, -1, np.int64),
                      np.full((slots, width), -1, np.int64))
+
+
+def in_flight_slots(max_delay: int, per_round: int, num_clients: int, stacked: bool) -> int:
+    """The most slots outputs in flight fill under policy stale (D = `max_delay`, M =
+    `per_round` clients a round, K = `num_clients`). An output kept in round t arrives by
+    t + D, so what is in flight after a round was kept in its last D rounds. Stacked rule:
+    a slot a client, D * M (its aggregator sees every slot: the stack's length is part of
+    its numbers). Streaming: a slot a group (a round's clients of one delay); of the round
+    j back only delays above j are still in flight, so at most sum(min(i, M), i = 1..D)
+    groups, and at most K (each holds a client, busy until its output has arrived)."""
+    if stacked:
+        return max_delay * per_round
+    groups = sum(min(i, per_round) for i in range(1, max_delay + 1))
+    return min(groups, num_clients)
+
+
+def resized(st: TimeState, slots: int) -> TimeState:
+    """`st` with `slots` slots in flight: empty ones added, or empty ones past the first
+    `slots` dropped (a checkpoint written when a streaming rule kept D * D slots: first
+    empty slot first, the late ones' slots never reach past the most in flight)."""
+    have = len(st.arrival)
+    if have == slots:
+        return st
+    if have > slots and (np.asarray(st.arrival)[slots:] >= 0).any():
+        raise ValueError(f"{have - slots} slots in flight past the first {slots} hold "
+                         f"outputs: this state was not written by a run of this config")
+
+    def fit(x, fill):
+        x = np.asarray(x)
+        if have > slots:
+            return x[:slots]
+        return np.concatenate([x, np.full((slots - have,) + x.shape[1:], fill, x.dtype)])
+    return st._replace(entries=jax.tree_util.tree_map(lambda x: fit(x, 0), st.entries),
+                       weight=fit(st.weight, 0), arrival=fit(st.arrival, -1),
+                       origin=fit(st.origin, -1), clients=fit(st.clients, -1))
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of memory this process may still take: the kernel's MemAvailable (or free
+    pages where it has none), within a cgroup v2 limit where one is set; None: unknown."""
+    found = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    if found is None:
+        try:
+            found = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, AttributeError):
+            return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, \
+                open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                found = min(found, max(int(limit) - int(g.read()), 0))
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def in_flight_error(max_delay: int, per_round: int, num_clients: int, stacked: bool,
+                    entry_bytes: int, available: Optional[int] = None) -> Optional[str]:
+    """None when the outputs in flight of `in_flight_slots` fit in `MEMORY_SHARE` of the
+    `available` memory (None: `available_memory()`, unknown: they fit), each
+    `entry_bytes` (about the model's), else what to change (a config error's text)."""
+    slots = in_flight_slots(max_delay, per_round, num_clients, stacked)
+    need = slots * entry_bytes
+    available = available_memory() if available is None else available
+    if available is None or need <= MEMORY_SHARE * available:
+        return None
+    return (f"straggler.max_delay={max_delay} with {per_round} clients a round (of "
+            f"{num_clients}) can keep {slots} outputs of {entry_bytes / 1e6:.1f} MB in "
+            f"flight under straggler.policy='stale', about {need / 1e9:.1f} GB: more than "
+            f"{MEMORY_SHARE:.0%} of the {available / 1e9:.1f} GB of memory available; lower "
+            f"straggler.max_delay or participation, or set straggler.policy to 'ignore'")
 
 
 class Flight:
@@ -224,4 +309,5 @@ def arrivals_by_staleness(staleness: np.ndarray, max_delay: int) -> list:
 
 
 __all__ = ["Stragglers", "Plan", "TimeState", "Flight", "plan", "empty",
-           "arrivals_by_staleness", "forced_error", "POLICIES", "DELAYS"]
+           "arrivals_by_staleness", "forced_error", "in_flight_slots", "resized",
+           "available_memory", "in_flight_error", "POLICIES", "DELAYS", "MEMORY_SHARE"]

@@ -14,6 +14,7 @@ import ml_collections
 import numpy as np
 
 from fedjax_pan import algorithms, models
+from fedjax_pan.models import precision
 from fedjax_pan.config import schema
 from fedjax_pan import data as data_lib
 from fedjax_pan.algorithms.robust import attacks
@@ -189,6 +190,9 @@ def build(cfg: ml_collections.ConfigDict,
         why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConfigError(f"config.model.options {cfg.model.options.to_dict()} "
                           f"({cfg.model.name} on {ds.name}): {why}") from None
+    # Float32 weights built and kept; the model every algorithm and evaluation runs is
+    # computed in execution.precision.
+    model = precision.policy(model, cfg.execution.precision)
     train_x, test_x = _normalized(cfg, ds, cache)
     train_labels = ds.train_labels
     if p.noisy_share > 0:
@@ -336,6 +340,7 @@ def _groups(cfg: ml_collections.ConfigDict, client_data: ClientData, services: S
     key = jax.random.PRNGKey(cfg.seed)
     initial = [models.init(net, key if a == 0 else jax.random.fold_in(key, a),
                            tuple(client_data.images.shape[1:])) for a, net in enumerate(nets)]
+    nets = [precision.policy(net, cfg.execution.precision) for net in nets]
     built = [algorithms.from_config(net, cfg, public=public, public_labels=public_labels,
                                     input_shape=client_data.images.shape[1:])
              for net in nets]

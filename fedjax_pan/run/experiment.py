@@ -13,7 +13,6 @@ variants and gathers their names.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from typing import Any, Dict
 
@@ -85,6 +84,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
     check_run(cfg, workdir, resume=resume, overwrite=overwrite)
     cache: Dict[Any, Any] = {}
     experiments = {name: build_counted(c, cache) for name, c in configs.items()}
+    workdir_lib.raise_pending_signal()  # a Ctrl-C while the data loaded: nothing written
     top = os.path.join(workdir, "config.json")
     primary = distributed.is_primary()
     with claim(workdir, overwrite=overwrite, resume=resume):
@@ -93,6 +93,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
                 workdir_lib.write_atomic(top, cfg.to_json(indent=2))
         summaries = {}
         for name, exp in experiments.items():
+            workdir_lib.raise_pending_signal()
             sub = os.path.join(workdir, name)
 
             def prepare() -> bool:
@@ -118,9 +119,9 @@ def run(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
             reporting.plot_curves(curves, os.path.join(workdir, "curves.png"),
                         f"{cfg.model.name} on {cfg.dataset.name}", groups=groups)
             workdir_lib.write_atomic(os.path.join(workdir, "comparison.json"),
-                                     json.dumps(summaries, indent=2))
+                                     reporting.json_text(summaries, indent=2))
             workdir_lib.write_atomic(os.path.join(workdir, "comparison.csv"), "".join(csv))
             if any(len(m) > 1 for m in groups.values()):
                 workdir_lib.write_atomic(os.path.join(workdir, "comparison_seeds.json"),
-                                         json.dumps(table, indent=2))
+                                         reporting.json_text(table, indent=2))
     return summaries

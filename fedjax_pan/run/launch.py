@@ -4,11 +4,13 @@
   python -m fedjax_pan.run.launch compare DIR_A DIR_B [--tolerance=1e-4] [--accuracy_tolerance=1e-3]
 
 The first form starts N processes joined by JAX's runtime (process 0 coordinates on
-localhost), each with `--devices` CPU devices (JAX_NUM_CPU_DEVICES) where given, and waits
-for them: process 0's output is shown, the others' is kept in a temporary folder and shown
-when one fails, and a process that fails stops the rest (they would wait on it forever).
-Its exit status is the first failure's, else 0. On a cluster, start one
-`python -m fedjax_pan ... --distributed` per host instead (docs/guides/hosts.md).
+localhost, at `--port` or a free port), each with `--devices` CPU devices
+(JAX_NUM_CPU_DEVICES) where given, and waits for them: process 0's output is shown, the
+others' is kept in a temporary folder. A process that fails stops the rest within seconds
+(they watch each other; any still running 5 s later gets SIGTERM, then SIGKILL), and one
+line says how each ended. Its exit status is the first failure's (128 + n for a process
+killed by signal n), else 0. On a cluster, start one `python -m fedjax_pan ...
+--distributed` per host instead (docs/guides/hosts.md).
 
 The second form compares two runs' metrics.jsonl round by round (variants included) and
 exits 1 where a number differs by more than the tolerance (relative, and absolute near 0);
@@ -27,12 +29,14 @@ import signal
 import socket
 import subprocess
 import sys
+import shutil
 import tempfile
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 # Metrics that measure the machine, not the training.
 _UNCOMPARED = ("seconds",)
+GRACE = 5.0  # seconds the other processes get to stop by themselves, then after SIGTERM
 
 
 def free_port() -> int:
@@ -50,53 +54,122 @@ def commands(processes: int, main_args: Sequence[str], port: int) -> List[List[s
 
 
 def launch(processes: int, main_args: Sequence[str], devices: Optional[int] = None,
-           port: Optional[int] = None, poll_seconds: float = 0.2) -> int:
-    """Runs `main_args` in `processes` local processes; the first failure's exit status,
-    else 0."""
+           port: Optional[int] = None, poll_seconds: float = 0.2, grace: float = GRACE) -> int:
+    """Runs `main_args` in `processes` local processes (`supervise`); the first failure's
+    exit status, else 0."""
     env = dict(os.environ)
     if devices is not None:
         env["JAX_NUM_CPU_DEVICES"] = str(devices)
+    return supervise(commands(processes, main_args, port or free_port()), env,
+                     poll_seconds=poll_seconds, grace=grace)
+
+
+def _status(code: int) -> int:
+    """A process's exit status as a shell reports it (128 + n for signal n)."""
+    return 128 - code if code < 0 else code
+
+
+def _how(code: int, sent: Optional[int]) -> str:
+    """How a process ended, given the signal this launcher sent it last, if any."""
+    if code >= 0:
+        return f"exited with status {code}"
+    name = signal.Signals(-code).name
+    if sent == -code:
+        return f"was stopped ({name})"
+    return f"was killed by {name} (status {_status(code)})"
+
+
+def supervise(cmds: Sequence[Sequence[str]], env: Optional[Dict[str, str]] = None,
+              poll_seconds: float = 0.2, grace: float = GRACE) -> int:
+    """Runs `cmds` side by side until all have ended (the first with this process's
+    output, the others' into files of a temporary folder) and returns the first failure's
+    status, 128 + n for a process killed by signal n (of failures seen in the same poll,
+    a killed process's: the others follow from it), else 0; interrupted, 130 or 143.
+
+    Once a process has failed (or this one is interrupted: Ctrl-C reaches them all), the
+    others are given `grace` seconds to stop by themselves (a run's processes watch each
+    other), then SIGTERM, then SIGKILL `grace` seconds later; one line then says how
+    each ended.
+    """
     logs = tempfile.mkdtemp(prefix="fedjax_pan-launch-")
     procs: List[subprocess.Popen] = []
     files = []
-    for i, cmd in enumerate(commands(processes, main_args, port or free_port())):
+    for i, cmd in enumerate(cmds):
         out = None
         if i:
             out = open(os.path.join(logs, f"process{i}.log"), "w")
             files.append(out)
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out,
+        procs.append(subprocess.Popen(list(cmd), env=env, stdout=out,
                                       stderr=subprocess.STDOUT if out else None))
-    status = 0
+    first: Optional[int] = None  # the process whose failure ends the run
+    interrupted: Optional[int] = None  # the signal that interrupted this process
+    sent: Dict[int, int] = {}  # process: the signal sent to it last
+    deadline = math.inf  # when the processes still running get the next signal
+    previous = _on_sigterm()
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                status = failed[0].returncode
-                break
-            time.sleep(poll_seconds)
-        status = status or next((p.returncode for p in procs if p.returncode), 0)
-    except KeyboardInterrupt:
-        status = 130
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
+        while True:
             try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
+                codes = [p.poll() for p in procs]  # every process, every time
+                now = time.monotonic()
+                failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
+                if failed and first is None and interrupted is None:
+                    first = min(failed, key=lambda i: (codes[i] > 0, i))
+                    deadline = now + grace
+                if all(c is not None for c in codes):
+                    break
+                if now >= deadline:
+                    signum = signal.SIGKILL if sent else signal.SIGTERM
+                    for i, p in enumerate(procs):
+                        if p.poll() is None:
+                            p.send_signal(signum)
+                            sent[i] = signum
+                    deadline = now + grace
+                time.sleep(poll_seconds)
+            except KeyboardInterrupt as e:
+                interrupted = interrupted or getattr(e, "signum", signal.SIGINT)
+                if deadline == math.inf:
+                    deadline = time.monotonic() + grace
+    finally:
+        _restore_sigterm(previous)
+        for p in procs:  # this process failed: leave nothing running
+            if p.poll() is None:
                 p.kill()
                 p.wait()
         for f in files:
             f.close()
-    if status:
-        for i in range(1, processes):
-            path = os.path.join(logs, f"process{i}.log")
-            with open(path) as f:
-                tail = f.read()[-2000:].strip()
-            if tail:
-                print(f"--- process {i} ({path}):\n{tail}", file=sys.stderr)
-    return status
+    if first is None and interrupted is None:
+        shutil.rmtree(logs, ignore_errors=True)
+        return 0
+    codes = [p.returncode for p in procs]
+    order = [first] + [i for i in range(len(procs)) if i != first] if first is not None \
+        else list(range(len(procs)))
+    what = "; ".join(f"process {i} {_how(codes[i], sent.get(i))}" for i in order)
+    if interrupted is not None:
+        what = f"interrupted ({signal.Signals(interrupted).name}); {what}"
+    # Process 0 printed its error line where it exited with a status; else this is it.
+    lead = "launch:" if codes[0] > 0 else "error:"
+    where = f"; the other processes' output is in {logs}" if len(procs) > 1 else ""
+    print(f"{lead} {what}{where}", file=sys.stderr)
+    return _status(codes[first]) if first is not None else 128 + interrupted
+
+
+class _Terminated(KeyboardInterrupt):
+    signum = signal.SIGTERM
+
+
+def _on_sigterm() -> Any:
+    """SIGTERM to the launcher (a scheduler's time limit) unwinds like Ctrl-C."""
+    def handler(signum: int, frame: Any) -> None:
+        raise _Terminated()
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        return None
+
+
+def _restore_sigterm(previous: Any) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _rows(workdir: str) -> Dict[str, List[dict]]:
@@ -201,6 +274,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not main_args:
         print("error: give fedjax_pan.run.main's arguments after --", file=sys.stderr)
         return 2
+    if args.port is not None and not 0 < args.port < 65536:
+        print(f"error: --port={args.port} is not a TCP port", file=sys.stderr)
+        return 2
+    if args.port is not None:
+        from fedjax_pan.engine.distributed import port_in_use  # imports JAX: only here
+        if port_in_use(args.port):
+            print(f"error: --port={args.port} is in use on this host; pick a free port, or "
+                  "leave --port out for one", file=sys.stderr)
+            return 2
     return launch(args.processes, main_args, args.devices, args.port)
 
 

@@ -64,6 +64,9 @@ def _flags(argv: List[str]) -> flags.FlagValues:
                          flag_values=fv)
     flags.DEFINE_bool("distributed", False, "join a multi-process run whose settings JAX "
                       "reads from the cluster (SLURM, TPU pods, Open MPI)", flag_values=fv)
+    flags.DEFINE_float("peer_timeout", 60.0, "seconds without word from a process of a "
+                       "multi-process run (killed, or its host lost) before the others stop",
+                       flag_values=fv)
     return fv
 
 
@@ -188,6 +191,9 @@ def _error(message, status: int = 2) -> int:
     text = str(message)
     if "Traceback" in text:  # config_flags embeds the config file's traceback: keep its cause
         text = [line for line in text.splitlines() if line.strip()][-1]
+    distributed = sys.modules.get("fedjax_pan.engine.distributed")  # once a run started
+    if distributed is not None:  # one process of several: the first failure, named
+        text, status = distributed.ending(text, status, getattr(message, "message", None))
     print(f"error: {' '.join(text.split())}", file=sys.stderr)
     return status
 
@@ -306,7 +312,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     from fedjax_pan.errors import RunError
     try:  # before anything touches a JAX backend
         distributed.initialize(fv.coordinator, fv.num_processes, fv.process_id,
-                               auto=fv.distributed)
+                               auto=fv.distributed, peer_timeout=fv.peer_timeout,
+                               workdir=fv.workdir)
     except RunError as e:
         return _error(e, status=e.status)
     from fedjax_pan.run import experiment
@@ -318,26 +325,36 @@ def main(argv: Optional[List[str]] = None) -> int:
     except OSError as e:
         return _error(f"--compilation_cache={fv.compilation_cache!r} cannot be used: {e}",
                       status=4)
-    workdir.raise_on_sigterm()
+    finished = False
     try:
-        summaries = experiment.run(cfg, fv.workdir, resume=fv.resume,
-                                   overwrite=fv.overwrite, progress=fv.progress)
+        # SIGINT and SIGTERM take effect at safe points (between rounds, clients, runs):
+        # the run in progress saves its round. One that comes after the last safe point is
+        # raised as the block ends: the command never exits 0 after a signal.
+        with workdir.interrupts_at_safe_points():
+            summaries = experiment.run(cfg, fv.workdir, resume=fv.resume,
+                                       overwrite=fv.overwrite, progress=fv.progress)
+            finished = True
+            if distributed.is_primary():
+                print(experiment.format_table(
+                    summaries, experiment.seed_groups(experiment.variant_configs(cfg))))
+                print(f"results in {fv.workdir}")
+                for name, summary in summaries.items():  # FLChain: the ledger's trust anchor
+                    if "ledger_anchor" in summary:
+                        from fedjax_pan.algorithms.robust import ledger
+                        where = (os.path.join(fv.workdir, name) if cfg.get("variants")
+                                 else fv.workdir)
+                        print(ledger.anchor_text(where, summary["ledger_anchor"]))
     except RunError as e:
         return _error(e, status=e.status)
-    except KeyboardInterrupt as e:  # before the run claimed its workdir
+    except KeyboardInterrupt as e:  # before the run claimed its workdir, or after it ended
+        status = 128 + workdir.signal_number(e)
+        if finished:
+            return _error(f"interrupted; the results in {fv.workdir} are complete",
+                          status=status)
         return _error("interrupted before the run started; nothing was written",
-                      status=128 + workdir.signal_number(e))
+                      status=status)
     except Exception as e:  # noqa: BLE001 - one line for the user; the traceback to a file
         return _unexpected(e)
-    if distributed.is_primary():
-        print(experiment.format_table(summaries,
-                                      experiment.seed_groups(experiment.variant_configs(cfg))))
-        print(f"results in {fv.workdir}")
-        for name, summary in summaries.items():  # FLChain: the ledger's trust anchor
-            if "ledger_anchor" in summary:
-                from fedjax_pan.algorithms.robust import ledger
-                where = os.path.join(fv.workdir, name) if cfg.get("variants") else fv.workdir
-                print(ledger.anchor_text(where, summary["ledger_anchor"]))
     return 0
 
 

@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
+import json
+import math
 import re
 from typing import Any, Dict, List, Optional
 
 import ml_collections
 import numpy as np
 
-__all__ = ["summarize", "plot_curves", "seed_groups", "paired_stats", "compare_groups",
-           "format_table"]
+__all__ = ["finite", "json_text", "summarize", "plot_curves", "seed_groups", "paired_stats",
+           "compare_groups", "format_table"]
+
+
+def finite(obj: Any) -> Any:
+    """`obj` (dicts, lists, tuples, numbers) with each NaN or infinite float as None: JSON
+    has no value for them (`dp_epsilon` is infinite without noise). TensorBoard's scalars
+    keep them."""
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    return obj
+
+
+def json_text(obj: Any, indent: Optional[int] = None) -> str:
+    """`obj` as strict JSON (no NaN or Infinity tokens): non-finite floats become null."""
+    return json.dumps(finite(obj), indent=indent, allow_nan=False)
 
 
 def summarize(rows: List[Dict[str, Any]], last: int = 5) -> Dict[str, float]:

@@ -4,26 +4,27 @@ with every way it can end early reported in one line (`fedjax_pan.errors`)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import jax
 import ml_collections
 
 from fedjax_pan import algorithms
-from fedjax_pan.engine import distributed
+from fedjax_pan.engine import distributed, store
 from fedjax_pan.run import reporting, tensorboard
 from fedjax_pan import data as data_lib
 from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.algorithms import sampling
+from fedjax_pan.algorithms.robust import attacks
 from fedjax_pan.run.assembly import Experiment, build_counted, validate
 from fedjax_pan.engine import count_compiles, resolve_strategy
 from fedjax_pan.engine.evaluation import client_metrics
 from fedjax_pan.engine.simulation import SimState
 from fedjax_pan.errors import TrainingDiverged
+from fedjax_pan.models.precision import matmul_precision
 from fedjax_pan.run.resume import check_workdir, read_metrics
 
 __all__ = ["COUNTERS", "Summary", "train", "train_into", "train_rounds", "evaluate_clients"]
@@ -57,6 +58,7 @@ def train(cfg: ml_collections.ConfigDict, workdir: str, *, resume: bool = False,
     validate(cfg)
     check_run(cfg, workdir, resume=resume, overwrite=overwrite)
     exp = build_counted(cfg)
+    workdir_lib.raise_pending_signal()  # a Ctrl-C while the data loaded: nothing written
     with claim(workdir, overwrite=overwrite, resume=resume):
         return train_into(exp, workdir, resume=resume, progress=progress, desc=desc)
 
@@ -92,16 +94,39 @@ def _alive(state: SimState) -> bool:
                    for x in jax.tree_util.tree_leaves((state.server, state.client_states)))
 
 
+def _noisy_features(cfg: ml_collections.ConfigDict) -> List[str]:
+    """The settings of features on in `cfg` that put noise or hostile updates into
+    training: DP-FedAvg's noise, malicious clients (`attack.scale` where the kind has one)."""
+    out = []
+    p, a = cfg.get("privacy"), cfg.get("attack")
+    if p is not None and p.clip > 0 and p.noise_multiplier > 0:
+        out.append(f"privacy.noise_multiplier={p.noise_multiplier:g} (noise of std "
+                   f"{p.noise_multiplier:g} x privacy.clip={p.clip:g} on the updates' sum)")
+    if a is not None and a.kind != "none":
+        if a.kind in attacks.DEFAULT_SCALE:
+            scale = attacks.DEFAULT_SCALE[a.kind] if a.scale is None else a.scale
+            what = f"attack.scale={scale:g}" + (f" ({a.kind}'s default)" if a.scale is None
+                                                else f" ({a.kind})")
+        else:
+            what = f"attack.kind={a.kind!r}"
+        out.append(f"{what} with attack.fraction={a.fraction:g}")
+    return out
+
+
 def _divergence_advice(cfg: ml_collections.ConfigDict) -> str:
-    """What to change after a diverged run: the learning rate, or the algorithm's options
-    that were set away from their defaults (the likelier cause when there are any)."""
+    """What to change after a diverged run: the learning rate, or first the settings that
+    are likelier causes where there are any: features adding noise or attacks, then the
+    algorithm's options set away from their defaults."""
     defaults = algorithms.ALGORITHMS[cfg.algorithm].options
     own = cfg.get(cfg.algorithm) or {}
     changed = [f"{cfg.algorithm}.{k}={own[k]!r}" for k in defaults
                if k in own and own[k] != defaults[k]]
-    advice = "lower optimizer.lr or optimizer.grad_clip"
+    suspects = _noisy_features(cfg)
     if changed:
-        advice = f"check {', '.join(changed)} (changed from the default), or {advice}"
+        suspects.append(f"{', '.join(changed)} (changed from the default)")
+    advice = "lower optimizer.lr or optimizer.grad_clip"
+    if suspects:
+        advice = f"check {', '.join(suspects)}, or {advice}"
     return advice
 
 
@@ -137,7 +162,9 @@ def train_rounds(exp: Experiment, state: SimState, rounds: int, *, progress: boo
     history = []
     for _ in tqdm(range(rounds), desc=desc, disable=not progress, leave=False,
                   dynamic_ncols=True):
-        new_state, stats = exp.simulation.round(state)
+        workdir_lib.raise_pending_signal()
+        with matmul_precision(exp.config.execution.matmul_precision):
+            new_state, stats = exp.simulation.round(state)
         why = _divergence(stats["train_loss"], exp.config)
         if why:
             raise TrainingDiverged(f"training diverged in round {new_state.round}: {why}")
@@ -192,12 +219,20 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
     last_saved = 0
 
     def safe() -> str:
-        if last_saved:
-            return (f"{workdir} holds {workdir_lib.rounds_text(last_saved)} (checkpoint of "
-                    f"round {last_saved}); free space")
+        # A resumed run's rounds count before its checkpoint is read back.
+        last = max([last_saved, *workdir_lib.saved_rounds(workdir)])
+        if last:
+            return (f"{workdir} holds {workdir_lib.rounds_text(last)} (checkpoint of "
+                    f"round {last}); free space")
         return "no round of it was saved; free space"
 
-    with count_compiles() as compiles:
+    # The run's float32 products and convolutions at its execution.matmul_precision,
+    # JAX's own setting restored after it (each variant of a config sets its own).
+    matmuls = matmul_precision(cfg.execution.matmul_precision)
+    # The client states' files on disk (engine/store.py) are written by the engine, not
+    # here: their faults are reported like the workdir's own.
+    with count_compiles() as compiles, matmuls, workdir_lib.writing(
+            "the client states", safe, only=(store.StoreWriteError,)):
         # A driver that keeps records beside the run (FLChain's ledger) learns where.
         exp.simulation.attach(workdir, resume)
         state = exp.simulation.init(exp.variables)
@@ -222,7 +257,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                 workdir_lib.write_atomic(os.path.join(workdir, "config.json"),
                                          cfg.to_json(indent=2))
                 # drops rows past the restored checkpoint
-                workdir_lib.write_atomic(metrics_path, "".join(json.dumps(r) + "\n"
+                workdir_lib.write_atomic(metrics_path, "".join(reporting.json_text(r) + "\n"
                                                                for r in start["rows"]))
             return start
         start = distributed.on_primary(open_workdir, "reading the workdir")
@@ -241,7 +276,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             if primary:
                 with workdir_lib.writing(f"the checkpoint of round {s.round}", safe):
                     ckpt.save(s.round, s.saved(), totals,
-                              [r for r in rows if r["round"] <= s.round])
+                              [reporting.finite(r) for r in rows if r["round"] <= s.round])
                 s.checkpointed()
             last_saved, saved_totals = s.round, totals
 
@@ -262,6 +297,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                    disable=not (progress and primary), unit="round", dynamic_ncols=True)
         try:
             while state.round < cfg.rounds:
+                workdir_lib.raise_pending_signal()
                 t0 = time.time()
                 new_state, stats = exp.simulation.round(state)
                 # Once a round has run, its evaluation, files and checkpoint complete before a
@@ -326,7 +362,7 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
                     if row is not None and primary:
                         with workdir_lib.writing(metrics_path, safe):
                             with open(metrics_path, "a") as f:
-                                f.write(json.dumps(row) + "\n")
+                                f.write(reporting.json_text(row) + "\n")
                         with workdir_lib.writing(f"the event files in {workdir}", safe):
                             events.write(r, row)
                         bar.set_postfix(acc=f"{100 * row['test_accuracy']:.2f}%",
@@ -343,8 +379,11 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
             done = (f"{workdir_lib.rounds_text(last_saved)} "
                     f"{'is' if last_saved == 1 else 'are'} saved in {workdir}"
                     if last_saved else "no round of it was saved")
-            raise workdir_lib.interrupted(e, f"interrupted in round {state.round + 1}; "
-                                          f"{done}") from None
+            # After the last round (a signal while its files were written) only the
+            # summary is missing; --resume writes it.
+            when = (f"in round {state.round + 1}" if state.round < cfg.rounds
+                    else f"after round {state.round}")
+            raise workdir_lib.interrupted(e, f"interrupted {when}; {done}") from None
         finally:
             bar.close()
             if ckpt is not None:
@@ -373,5 +412,5 @@ def train_into(exp: Experiment, workdir: str, *, resume: bool, progress: bool,
         reporting.plot_curves({desc or "run": rows}, os.path.join(workdir, "curve.png"),
                     f"{cfg.model.name} on {cfg.dataset.name}")
         workdir_lib.write_atomic(os.path.join(workdir, "summary.json"),
-                                 json.dumps(summary, indent=2))
+                                 reporting.json_text(summary, indent=2))
     return Summary(summary, exp, state)

@@ -18,18 +18,18 @@ implementation beside this file and its test.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Callable, Dict, Mapping, NamedTuple, Optional, Tuple
 
 from ml_collections.config_dict import FieldReference, placeholder
 
-from fedjax_pan.algorithms import stragglers
 from fedjax_pan.algorithms.aggregation import coordinate, learned, robust, staleness
 from fedjax_pan.algorithms.aggregation.coordinate import median, trimmed_mean
 from fedjax_pan.algorithms.aggregation.learned import auto_weights, learn_weights
 from fedjax_pan.algorithms.aggregation.robust import (geometric_median, krum_kept,
                                                        krum_scores, multi_krum,
                                                        pairwise_sq_distances, public_scorer,
-                                                       zeno)
+                                                       zeno, zeno_kept)
 from fedjax_pan.algorithms.aggregation.staleness import (FEDASYNC_KINDS, fedasync, sageflow,
                                                           staleness_weight)
 from fedjax_pan.engine.protocol import Aggregator, PyTree, weighted_mean
@@ -59,7 +59,8 @@ class RuleEntry(NamedTuple):
     a `fedjax_pan.rules.Rule` per key, dotted and relative to `config.aggregation`. A key
     two rules read is declared by both with equal defaults and the same Rule object (e.g.
     `BYZANTINE`). `check(cfg)` raises ValueError (its text after 'config.') for settings
-    of the whole config the rule cannot run with. `public`: it scores models on the
+    of the whole config the rule cannot run with (a rule that does not read
+    `aggregation.byzantine` refuses a value but 0). `public`: it scores models on the
     server's labelled public set (`dataset.public_size`, `PUBLIC_SIZE` where 0).
     """
 
@@ -72,19 +73,61 @@ class RuleEntry(NamedTuple):
     summary: str = ""
 
 
-# Shared by the rules that read the key (Multi-Krum's f, Zeno's b).
-BYZANTINE = between(0, 1e5, integer=True)
+# Shared by the rules that read the key (Multi-Krum's f, Zeno's b); each checks it
+# against the clients a round, and every other rule refuses a value but 0 (`_unread`).
+_BYZANTINE = between(0, 1e5, integer=True)
+
+
+def _byzantine(value: Any) -> Optional[str]:
+    want = _BYZANTINE.check(value)
+    return want and (f"{want}: under multi_krum at most the clients a round - 3, under "
+                     f"zeno at most the clients a round - 1, under the other rules 0")
+
+
+BYZANTINE = dataclasses.replace(_BYZANTINE, check=_byzantine)
+
+
+def _per_round(cfg: Any) -> int:
+    return clients_per_round(cfg.participation, cfg.partition.num_clients)
 
 
 def _krum_check(cfg: Any) -> None:
     agg = cfg.aggregation
-    m = clients_per_round(cfg.participation, cfg.partition.num_clients)
+    m = _per_round(cfg)
     try:
         krum_kept(m, agg.byzantine, agg.krum_keep)
     except ValueError as e:
+        valid = (f"aggregation.byzantine in [0, {m - 3}], aggregation.krum_keep in "
+                 f"[1, {m}] or unset" if m >= 3 else "Multi-Krum needs at least 3 clients a "
+                 "round: raise participation or partition.num_clients")
         raise ValueError(f"aggregation.rule='multi_krum' with aggregation.byzantine = "
                          f"{agg.byzantine} and aggregation.krum_keep = {agg.krum_keep} "
-                         f"({m} clients a round): {e}") from None
+                         f"({m} clients a round): {e} ({valid})") from None
+
+
+def _zeno_check(cfg: Any) -> None:
+    agg = cfg.aggregation
+    m = _per_round(cfg)
+    try:
+        zeno_kept(m, agg.byzantine)
+    except ValueError as e:
+        raise ValueError(f"aggregation.byzantine={agg.byzantine} with aggregation.rule="
+                         f"'zeno' ({m} clients a round): {e}; set aggregation.byzantine in "
+                         f"[0, {m - 1}]") from None
+
+
+def _unread(own: str = "") -> Callable[[Any], None]:
+    """The check of a rule that does not read `aggregation.byzantine`: a value but 0
+    would claim a tolerance the rule does not have. `own`: what the rule tolerates by."""
+    def check(cfg: Any) -> None:
+        agg = cfg.aggregation
+        b = agg.get("byzantine", 0)
+        if b:
+            readers = [name for name, entry in RULES.items() if "byzantine" in entry.options]
+            raise ValueError(f"aggregation.byzantine={b} is not used by aggregation.rule="
+                             f"{agg.rule!r}{own}; set aggregation.byzantine=0, or a rule "
+                             f"that reads it ({', '.join(readers)})")
+    return check
 
 
 def _sageflow(options: Any, context: RuleContext) -> Aggregator:
@@ -105,7 +148,7 @@ def _auto_weights(options: Any, context: RuleContext) -> Aggregator:
 
 RULES: Dict[str, RuleEntry] = {
     "mean": RuleEntry(
-        lambda options, context: weighted_mean, {}, {},
+        lambda options, context: weighted_mean, {}, {}, check=_unread(),
         reference=Reference(
             "McMahan et al., AISTATS 2017 (FedAvg, Alg. 1: w <- sum_k n_k / n w_k)", None,
             ("the default `aggregation.weights='uniform'` counts each client 1, as the PAN "
@@ -113,13 +156,14 @@ RULES: Dict[str, RuleEntry] = {
         summary="the outputs' mean, weighted by `aggregation.weights` (streamed: no "
                 "client's output is kept)"),
     "median": RuleEntry(
-        lambda options, context: median(), {}, {},
+        lambda options, context: median(), {}, {}, check=_unread(),
         reference=Reference("Yin et al., ICML 2018 (coordinate-wise median, Alg. 1 option I)",
                             None, ()),
         summary="the coordinate-wise median of the outputs"),
     "trimmed_mean": RuleEntry(
         lambda options, context: trimmed_mean(options.trim),
         {"trim": 0.1}, {"trim": between(0, 0.5, hi_open=True)},
+        check=_unread(": its tolerance is aggregation.trim, the share cut at each end"),
         reference=Reference(
             "Yin et al., ICML 2018 (coordinate-wise beta-trimmed mean, Alg. 1 option II)",
             None,
@@ -137,11 +181,14 @@ RULES: Dict[str, RuleEntry] = {
             "n - f - 2 nearest); El Mhamdi et al., ICML 2018 (Multi-Krum: average the m "
             "best)", None,
             ("the m chosen are averaged with the round's weights renormalised (the paper's "
-             "plain mean, equal under the default uniform weights)",)),
+             "plain mean, equal under the default uniform weights)",
+             "f and m are checked against the clients a round before the run; a round "
+             "with fewer present (late clients, Poisson sampling) scores each on its "
+             "max(n - f - 2, 1) nearest and averages clip(m, 1, n) of its n")),
         summary="tolerating `byzantine` clients a round, averages the `krum_keep` outputs "
                 "of lowest Krum score (None: all but `byzantine`; 1: Krum)"),
     "geometric_median": RuleEntry(
-        lambda options, context: geometric_median(), {}, {},
+        lambda options, context: geometric_median(), {}, {}, check=_unread(),
         reference=Reference(
             "Pillutla et al., IEEE TSP 2022 (RFA: smoothed Weiszfeld, Alg. 2)", None,
             ("maxiter 4, eps 1e-5, ftol 1e-6 are the defaults the module docstring "
@@ -151,7 +198,7 @@ RULES: Dict[str, RuleEntry] = {
         lambda options, context: zeno(options.byzantine, options.zeno.rho, context.score),
         {"byzantine": 0, "zeno": {"rho": 5e-4}},
         {"byzantine": BYZANTINE, "zeno.rho": between(0, 1e4)},
-        public=True,
+        check=_zeno_check, public=True,
         reference=Reference(
             "Xie et al., ICML 2019 (Zeno: score f_r(x) - f_r(x - gamma g_i) - rho gamma^2 "
             "||g_i||^2, keep the n - b best)", None,
@@ -161,7 +208,10 @@ RULES: Dict[str, RuleEntry] = {
              "f_r is the loss over the whole held-out public set (`dataset.public_size`), "
              "not a fresh mini-batch each round",
              "the kept models are averaged with the round's weights renormalised (the "
-             "paper's plain mean, equal under the default uniform weights)")),
+             "paper's plain mean, equal under the default uniform weights)",
+             "b < the clients a round is checked before the run (the paper's m > b); a "
+             "round with n <= b present (late clients, Poisson sampling) keeps its best "
+             "one")),
         summary="keeps all but `byzantine` models by their descent on the public set, "
                 "less `zeno.rho` times the squared step"),
     "sageflow": RuleEntry(
@@ -173,7 +223,7 @@ RULES: Dict[str, RuleEntry] = {
          "sageflow.lam": between(0, 10),
          "sageflow.gamma_period": between(0, 1e6, integer=True),
          "sageflow.min_weight": between(0, 1e6)},
-        public=True,
+        check=_unread(), public=True,
         reference=Reference(
             "Park et al., 'Sageflow: Robust Federated Learning against Both Stragglers and "
             "Adversaries', NeurIPS 2021 (entropy filter, loss-weighted averaging, "
@@ -199,6 +249,7 @@ RULES: Dict[str, RuleEntry] = {
          "fedasync.staleness": one_of(FEDASYNC_KINDS),
          "fedasync.a": between(0, 100),
          "fedasync.b": between(0, 1e6)},
+        check=_unread(),
         reference=Reference(
             "Xie et al., 'Asynchronous Federated Optimization', 2019 (FedAsync: x <- (1 - "
             "a_t) x + a_t x_new, a_t = a s(t - tau), polynomial or hinge s)", None,
@@ -220,7 +271,7 @@ RULES: Dict[str, RuleEntry] = {
         {"auto_weights.steps": between(1, 1000, integer=True),
          "auto_weights.lr": between(0, 1e4, lo_open=True),
          "auto_weights.apply": Rule(boolean)},
-        public=True,
+        check=_unread(), public=True,
         reference=Reference(
             "Deng et al., FAIR, IEEE INFOCOM 2021; extended in IEEE TPDS 33(12) 2022 "
             "(auto-weighted model aggregation: weights learned by gradient descent)", None,
@@ -305,16 +356,17 @@ def public_rules(table: Mapping[str, RuleEntry] = RULES) -> Tuple[str, ...]:
 
 
 def from_config(cfg: Any, model: Any = None, public: Any = None,
-                public_labels: Any = None) -> Aggregator:
+                public_labels: Any = None, late: bool = False) -> Aggregator:
     """The rule `cfg.aggregation.rule` names, configured by `cfg.aggregation`; a public
-    rule scores `model` on the server's `public` images and their `public_labels`."""
+    rule scores `model` on the server's `public` images and their `public_labels`; `late`:
+    clients can answer late (`stragglers.late(cfg)`)."""
     name = cfg.aggregation.rule
     if name not in RULES:
         raise ValueError(f"unknown aggregation rule {name!r}; expected one of "
                          f"{tuple(RULES)}")
     entry = RULES[name]
     score = public_scorer(model, public, public_labels) if entry.public else None
-    return entry.build(cfg.aggregation, RuleContext(score, stragglers.late(cfg)))
+    return entry.build(cfg.aggregation, RuleContext(score, late))
 
 
 _merged(RULES)  # a table whose entries disagree fails at import
@@ -323,5 +375,5 @@ _merged(RULES)  # a table whose entries disagree fails at import
 __all__ = ["RuleEntry", "RuleContext", "RULES", "BYZANTINE", "PUBLIC_SIZE", "config_options",
            "config_rules", "public_rules", "from_config", "coordinate", "robust", "staleness",
            "median", "trimmed_mean", "multi_krum", "geometric_median", "zeno", "public_scorer",
-           "krum_kept", "krum_scores", "pairwise_sq_distances", "fedasync", "sageflow",
+           "krum_kept", "zeno_kept", "krum_scores", "pairwise_sq_distances", "fedasync", "sageflow",
            "staleness_weight", "FEDASYNC_KINDS", "learned", "auto_weights", "learn_weights"]

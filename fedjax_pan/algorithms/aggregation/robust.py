@@ -20,6 +20,12 @@ computed leaf by leaf so no client's output is flattened into a copy.
   f_r(x) - f_r(x_i) - rho |x_i - x|^2, the descent its model x_i makes on the server's
   held-out data from the current model x, less rho times its squared step; the n - b
   best-scored models are averaged with the round's weights, renormalised.
+
+f and b are checked against the clients a round before a run (`krum_kept`, `zeno_kept`).
+A round can still have fewer present than that (late clients, Poisson sampling, a
+recruiter's cohort): then Multi-Krum scores each client on its max(n - f - 2, 1) nearest
+and averages clip(m, 1, n) of them, and Zeno averages its max(n - b, 1) best: never fewer
+than one, never an empty mean.
 """
 
 from __future__ import annotations
@@ -58,6 +64,16 @@ def krum_kept(clients: int, byzantine: int, keep: Optional[int] = None) -> int:
     return kept
 
 
+def zeno_kept(clients: int, byzantine: int) -> int:
+    """How many of a round's `clients` Zeno averages: clients - b. ValueError unless
+    0 <= b < clients: Xie et al. 2019 average the m - b best of m and assume at least one
+    non-faulty worker, so m > b."""
+    if not 0 <= byzantine < clients:
+        raise ValueError(f"Zeno averages the n - b best of the n clients a round, so it "
+                         f"needs 0 <= b < n: {clients} clients, b = {byzantine}")
+    return clients - byzantine
+
+
 def krum_scores(outputs: PyTree, byzantine: int, present: Optional[jax.Array] = None
                 ) -> jax.Array:
     """(N,) Krum scores: each client's summed squared distance to its n - f - 2 nearest
@@ -89,15 +105,15 @@ def _best(scores: jax.Array, present: jax.Array, count: jax.Array) -> jax.Array:
 
 def multi_krum(byzantine: int, keep: Optional[int] = None) -> Aggregator:
     """Multi-Krum tolerating `byzantine` (f) clients a round, averaging the `keep` (m)
-    best-scored (None: n - f of the n present; 1: Krum)."""
+    best-scored (None: n - f of the n present; 1: Krum). A round of n <= f + 2 present
+    is clipped as the module docstring says (`krum_kept` checks a config's rounds)."""
     if byzantine < 0 or (keep is not None and keep < 1):
         raise ValueError(f"multi_krum needs f >= 0 and m >= 1, got f = {byzantine}, "
                          f"m = {keep}")
 
     def finalize(outputs, weights, arrivals=None):
-        # Too few slots for any round to score: refused when traced. Fewer arrivals than
-        # slots (stragglers) are handled by the masks below.
-        krum_kept(weights.shape[0], byzantine, keep)
+        # The stack's size varies with Poisson sampling or a recruiter, and fewer than it
+        # may be present (late clients): the masks and clips below handle every n >= 1.
         present = weights > 0
         n = jnp.sum(present)
         kept = jnp.clip(n - byzantine if keep is None else keep, 1, n)
@@ -178,7 +194,8 @@ def zeno(byzantine: int, rho: float,
          score: Callable[[PyTree], Dict[str, jax.Array]]) -> Aggregator:
     """Zeno over models (module docstring): keeps the n - b best of the n present by
     f_r(x) - f_r(x_i) - rho |x_i - x|^2, f_r the loss `score` gives (trainable
-    parameters only enter the distance)."""
+    parameters only enter the distance); the best one where n <= b (`zeno_kept` checks a
+    config's rounds)."""
     if byzantine < 0 or rho < 0:
         raise ValueError(f"zeno needs b >= 0 and rho >= 0, got b = {byzantine}, rho = {rho}")
 
@@ -193,4 +210,4 @@ def zeno(byzantine: int, rho: float,
 
 
 __all__ = ["multi_krum", "geometric_median", "zeno", "public_scorer", "krum_kept",
-           "krum_scores", "pairwise_sq_distances"]
+           "zeno_kept", "krum_scores", "pairwise_sq_distances"]

@@ -18,7 +18,7 @@ they neither shape its training nor are sent (`upload_bytes` counts what is).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Dict, NamedTuple, Optional
 
 import flax.linen as nn
 import jax
@@ -75,6 +75,52 @@ def owned_mask(owners, path, shape, per_group: jax.Array):
     return per_group[jnp.asarray(owner)].reshape((-1,) + (1,) * (len(shape) - axis - 1))
 
 
+def suggested_grouping(model: nn.Module) -> Optional[Dict[str, int]]:
+    """Fed2's grouping that fits an ungrouped `model`: {'groups': G, 'depth': D}, or None
+    where it has no grouped form or too few weight layers.
+
+    The paper's G = 10 and D = 6 (VGG-9), with D kept below the model's weight-layer count
+    (at least one shared layer where there are three or more) and G at most the classes
+    (each group owns a class) and the narrowest grouped hidden width (grouped widths round
+    up to a multiple of G: a narrower layer would grow to G units).
+    """
+    if not hasattr(model, "grouped") or not hasattr(model, "weight_layers"):
+        return None
+    names = tuple(model.weight_layers())
+    if len(names) < 2:
+        return None
+    depth = max(2, min(6, len(names) - 1))
+    grouped = names[-depth:-1]  # the grouped hidden layers (the head's width is C)
+    # Widths from the kernels' output axes; an MLP's, VGG's or MobileNet's do not depend
+    # on the input's shape, so a CIFAR-sized one serves every dataset.
+    shapes = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0),
+                                               jnp.zeros((1, 32, 32, 3)), train=False))
+    widths = [int(leaf.shape[-1]) for path, leaf in
+              jax.tree_util.tree_flatten_with_path(shapes["params"])[0]
+              if path[-1].key == "kernel" and any(
+                  path[0].key == n or path[0].key.startswith(n + "_") for n in grouped)]
+    groups = max(1, min([10, int(model.num_classes)] + widths))
+    return {"groups": groups, "depth": depth}
+
+
+def _needs_grouping(model: nn.Module) -> str:
+    """The refusal of an ungrouped model, with the grouping that runs on it."""
+    fix = suggested_grouping(model)
+    if fix is None:
+        n = len(model.weight_layers()) if hasattr(model, "weight_layers") else 0
+        why = (f"{type(model).__name__} has no grouped form" if not hasattr(model, "grouped")
+               else f"this {type(model).__name__} has {n} weight layer(s) and Fed2 groups at "
+                    f"least 2 (a hidden layer and the head)")
+        return (f"fed2 needs a grouped model, and {why}: use model mlp, cnn, vgg* or "
+                f"mobilenet with model.options.grouped (configs/cifar10_fed2.py)")
+    n = len(model.weight_layers())
+    return (f"fed2 needs a grouped model: set --config.model.options.grouped=\""
+            f"{{'groups': {fix['groups']}, 'depth': {fix['depth']}}}\" (G = {fix['groups']} "
+            f"groups over the last D = {fix['depth']} of this {type(model).__name__}'s {n} "
+            f"weight layers; the paper: G = 10, D = 6 on VGG-9), or use "
+            f"configs/cifar10_fed2.py")
+
+
 def _map_grouped(fn_grouped, fn_shared, owners, params: PyTree) -> PyTree:
     """fn_grouped(path, leaf) on grouped leaves of a params tree, fn_shared(leaf) elsewhere."""
     def one(path, leaf):
@@ -89,10 +135,7 @@ def fed2(model: nn.Module, client_tx: optax.GradientTransformation,
     """Fed2 (or, with trim=True, Psi-Net) for a grouped flax `model`."""
     gc = getattr(model, "grouped", None)
     if gc is None:
-        raise ValueError("fed2 needs a grouped model (mlp, vgg or mobilenet): set "
-                         "--config.model.options.grouped=\"{'groups': 10, 'depth': 6}\" "
-                         "(Fed2's G = 10 groups over the last D = 6 weight layers), or use "
-                         "configs/cifar10_fed2.py")
+        raise ValueError(_needs_grouping(model))
     check_options(RULES, "fed2", group_weights=group_weights, trim=trim)
     groups = int(gc.groups)
     class_map = gc.class_map(model.num_classes)

@@ -40,6 +40,12 @@ Alg. 1's loop `while ||w(t) - w(t-1)|| > epsilon` (the slide's inequality invert
 channel whose committed model moved by <= `epsilon` has converged and stops (epsilon 0:
 only a model that did not move).
 
+What channels cost: there are at most as many channels as devices
+(`partition.num_clients`). A channel no device selected (possible under 'random') keeps
+its genesis block but no model of its own, in memory or in checkpoints: its model is the
+initial one, held once. A run whose channels with devices would not fit in the memory
+available (`channel_bytes` each, against MemAvailable) is refused before it starts.
+
 Keys and the anchor (`algorithms.robust.ledger`'s docstring has the formats): every
 validator's and device's Ed25519 key is drawn from the OS's entropy when a run starts,
 never from the seed, and kept in `<workdir>/keys/keys.json` (folder 0700, file 0600; a run
@@ -66,6 +72,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedjax_pan import models as models_lib
 from fedjax_pan.engine import distributed
 from fedjax_pan.algorithms.robust import ledger as ledger_lib
 from fedjax_pan import workdir as workdir_lib
@@ -115,6 +122,42 @@ def select_channels(num_devices: int, channels: int, selection: str, seed: int) 
         out[i] = int(np.argmin(load))  # argmin takes the first of equal loads
         load[out[i]] += 1
     return out
+
+
+def channel_bytes(server: PyTree, variables: PyTree) -> int:
+    """Bytes a channel with devices holds at the run's peak, from its `server` state and
+    its model's `variables` (arrays or shape-dtype structs): the server state in the run's
+    state, a host copy of it while a checkpoint is written, and its model in the stack each
+    device is scored from (`FLChain.personal_evaluation`)."""
+    return 2 * tree_bytes(server) + tree_bytes(variables)
+
+
+def available_memory(path: str = "/proc/meminfo") -> Optional[int]:
+    """Bytes the kernel can hand out without swapping (MemAvailable); None where `path`
+    is missing or does not say (not Linux): then nothing is refused."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file counts kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(channels: int, live: int, per_channel: int,
+                 available: Optional[int]) -> None:
+    """ValueError (naming `flchain.channels` and the estimate) where `live` channels with
+    devices, `per_channel` bytes each (`channel_bytes`), need more than `available`."""
+    need = live * per_channel
+    if available is not None and need > available:
+        gib = 2.0 ** 30
+        raise ValueError(
+            f"flchain.channels={channels}: its {live} channels with devices would hold about "
+            f"{need / gib:.1f} GiB ({per_channel / 2**20:.1f} MiB each: the channel's server "
+            f"state, its copy while a checkpoint is written, its model in the per-device "
+            f"evaluation), more than the {available / gib:.1f} GiB available (MemAvailable "
+            f"in /proc/meminfo): lower flchain.channels or the model's size")
 
 
 def round_seconds(options: Dict[str, float], validators: int, channels: int, pool_bytes: int,
@@ -251,6 +294,10 @@ class FLChain(RoundDefaults):
                                 bn=bn)._replace(aggregator=_EACH)
         k = services.num_clients
         self.channel_of = select_channels(k, self.num_channels, self.o["selection"], seed)
+        # (C,) bool: a device registered with the channel (under 'random' one may have
+        # none: it holds no model of its own, see `_genesis`).
+        self.live = np.bincount(self.channel_of, minlength=self.num_channels) > 0
+        self._initial: Any = None  # the initial server state, every empty channel's
         # Drawn from the OS (or loaded on resume) by `attach`, or by `init` without a workdir.
         self.keys: Optional[ledger_lib.Keys] = None
         self.num_classes, self.backdoor_target = num_classes, backdoor_target
@@ -366,7 +413,10 @@ class FLChain(RoundDefaults):
                      "transactions": txs, "votes": []}
             self.ledger.append(block)
             self._heads[j] = block
-        servers = tuple(server for _ in range(self.num_channels))
+        # A channel without devices never trains: None in the state (nothing to hold or
+        # checkpoint), its model the initial one (`_server`).
+        self._initial = server
+        servers = tuple(server if live else None for live in self.live)
         c = self.num_channels
         return SimState({"channels": servers, "height": jnp.zeros(c, jnp.int32),
                          "converged": jnp.zeros(c, bool), "time": jnp.zeros((), jnp.float32)},
@@ -391,23 +441,32 @@ class FLChain(RoundDefaults):
     def report(self, state: SimState) -> Dict[str, Any]:
         """What the run's summary records: the ledger's trust anchor at `state`'s heads."""
         heights = np.asarray(state.server["height"])
-        heads = {j: self._head(j, int(heights[j]), state.server["channels"][j])
+        heads = {j: self._head(j, int(heights[j]), self._server(state.server, j))
                  for j in range(self.num_channels)}
         return {"ledger_anchor": ledger_lib.anchor(
             heads, [ledger_lib.public_hex(k) for k in self.validator_keys])}
 
     # --- the engine's contract ---------------------------------------------------------
 
+    def _server(self, server: Dict[str, Any], j: int) -> Any:
+        """Channel j's server state in the state's `server` (an empty channel's: the
+        initial one)."""
+        found = server["channels"][j]
+        return self._initial if found is None else found
+
     def evaluation(self, server: Dict[str, Any]) -> tuple:
-        return None, self.rule.eval_variables(server["channels"][0])
+        return None, self.rule.eval_variables(self._server(server, 0))
 
     def personal_evaluation(self, state: SimState) -> Optional[PyTree]:
         """Each device scored on its own channel's model (None with one channel)."""
         if self.num_channels == 1:
             return None
-        models = [self.rule.eval_variables(s) for s in state.server["channels"]]
+        # The channels with devices only: no device is scored on an empty one.
+        models = [self.rule.eval_variables(state.server["channels"][j])
+                  for j in np.flatnonzero(self.live)]
         stacked = tree_map(lambda *x: jnp.stack(x), *models)
-        return tree_map(lambda x: x[jnp.asarray(self.channel_of)], stacked)
+        row = np.cumsum(self.live) - 1  # a channel's row among those with devices
+        return tree_map(lambda x: x[jnp.asarray(row[self.channel_of])], stacked)
 
     def personal_groups(self, state: SimState) -> None:
         return None
@@ -632,13 +691,26 @@ def from_config(model: nn.Module, cfg: Any, client_tx: optax.GradientTransformat
     s = cfg.server
     rule = {"optimizer": s.optimizer, "lr": float(s.lr), "momentum": float(s.momentum),
             "weights": cfg.aggregation.weights}
-    return FLChain(model, client_tx, services, cfg.flchain.to_dict(), rule, cfg.seed,
-                   cfg.aggregation.bn, int(services.data.label_counts.shape[1]),
-                   attacks.backdoor_target(cfg))
+    chain = FLChain(model, client_tx, services, cfg.flchain.to_dict(), rule, cfg.seed,
+                    cfg.aggregation.bn, int(services.data.label_counts.shape[1]),
+                    attacks.backdoor_target(cfg))
+    # Shapes only: the model is neither initialised nor compiled here.
+    variables = jax.eval_shape(lambda: models_lib.init(model, jax.random.PRNGKey(0),
+                                                       services.data.images.shape[1:]))
+    check_memory(chain.num_channels, int(chain.live.sum()),
+                 channel_bytes(jax.eval_shape(chain.rule.server_init, variables), variables),
+                 available_memory())
+    return chain
 
 
 def _check(cfg: Any) -> None:
     o = cfg.flchain
+    k = cfg.partition.num_clients
+    if o.channels > k:
+        raise ValueError(f"flchain.channels={o.channels} exceeds the {k} devices "
+                         f"(partition.num_clients={k}): a channel trains only with devices "
+                         f"registered with it, and {k} devices register with at most {k} "
+                         f"channels; set flchain.channels <= {k}")
     if o.faulty > o.validators:
         raise ValueError(f"flchain.faulty={o.faulty} exceeds flchain.validators="
                          f"{o.validators}")

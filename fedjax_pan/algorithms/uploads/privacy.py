@@ -29,9 +29,10 @@ account is the same: z under Poisson sampling, z / 2 under uniform sampling.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import dp_accounting
+import numpy as np
 from dp_accounting import dp_event, rdp
 
 from fedjax_pan.workdir import quiet_absl
@@ -86,30 +87,32 @@ def epsilon(noise_multiplier: float, rounds: int, delta: float, sampling: str,
 
 
 class Ledger:
-    """Epsilon round after round for one run (compositions are cached: each call adds the
-    rounds since the last)."""
+    """Epsilon round after round for one run: one round's RDP is computed once, and epsilon
+    after t rounds is read from t times it, the value `epsilon` gives. So each round's
+    epsilon is a function of t and the settings alone, the same float in a resumed run as
+    in one that ran through (adding the round's RDP up one round at a time would round
+    differently from composing the rounds at once after a resume)."""
 
     def __init__(self, noise_multiplier: float, delta: float, sampling: str,
                  num_clients: int, clients_per_round: int, rate: Optional[float] = None):
         self.args = (noise_multiplier, sampling, num_clients, clients_per_round, rate)
         self.delta = delta
-        self._accountant = make_accountant(sampling)
-        self._rounds = 0
+        self._round_rdp: Optional[Tuple[np.ndarray, np.ndarray]] = None  # (orders, RDP)
 
     def epsilon(self, rounds: int) -> float:
         """Epsilon at the ledger's delta after `rounds` rounds."""
-        z = self.args[0]
         if rounds <= 0:
             return 0.0
-        if z <= 0:
+        if self.args[0] <= 0:
             return float("inf")
-        if rounds < self._rounds:  # a resumed or replayed run: start over
-            self._accountant, self._rounds = make_accountant(self.args[1]), 0
         with _quiet():
-            if rounds > self._rounds:
-                self._accountant.compose(round_event(*self.args), rounds - self._rounds)
-                self._rounds = rounds
-            return float(self._accountant.get_epsilon(self.delta))
+            if self._round_rdp is None:
+                accountant = make_accountant(self.args[1])
+                accountant.compose(round_event(*self.args))
+                self._round_rdp = accountant.orders, accountant.rdp
+            orders, one = self._round_rdp
+            # As `epsilon`'s accountant: its RDP starts at 0 and composes `rounds` x one.
+            return float(rdp.compute_epsilon(orders, rounds * one, self.delta)[0])
 
 
 __all__ = ["SAMPLINGS", "SENSITIVITY", "RELATION", "round_event", "make_accountant",
