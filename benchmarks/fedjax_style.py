@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks import roofline
 from benchmarks.naive import OrderFn
 
 PyTree = Any
@@ -69,6 +70,23 @@ class FedJaxStyleFedAvg:
         self.add = jax.jit(lambda a, b: jax.tree_util.tree_map(jnp.add, a, b))
         self.client_init, self.client_step = jax.jit(client_init), client_step
         self.client_final, self.server_update = client_final, server_update
+
+    def cost(self, params: PyTree, images: np.ndarray, labels: np.ndarray
+             ) -> roofline.LoopCost:
+        """XLA's cost of this loop's rounds: `client_step` per batch, `client_init`,
+        `client_final` and the running sum's add per client, the server update once."""
+        key = jax.random.PRNGKey(0)
+        state = jax.eval_shape(self.client_init, params, key)
+        w = jnp.float32(1.0)
+        per_client = (roofline.program_cost(self.client_init, params, key)
+                      + roofline.program_cost(self.client_final, params, state, w)
+                      + roofline.program_cost(self.add, params, params))
+
+        def step_at(rows: int) -> roofline.Cost:
+            return roofline.program_cost(self.client_step, state,
+                                         {"x": images[:rows], "y": labels[:rows]})
+        server = roofline.program_cost(self.server_update, params, params, w)
+        return roofline.LoopCost(step_at, self.batch_size, per_client, server)
 
     def batches(self, images: np.ndarray, labels: np.ndarray, rows: np.ndarray,
                 rng: np.random.Generator, position: int, order: Optional[OrderFn]):

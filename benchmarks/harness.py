@@ -1,6 +1,7 @@
 """What every benchmark section shares: the settings, the machine's description, the
-workloads, how a round is timed and summarised, and the matmul ceiling (see
-`benchmarks.suites` for how the measurements are made)."""
+workloads, how a round is timed and summarised, and the machine's roof (matmul ceiling
+and memory bandwidth; see `benchmarks.suites` for how the measurements are made and
+`benchmarks.roofline` for the cost model)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import throughput
+from benchmarks import roofline, throughput
+from benchmarks.fedjax_style import FedJaxStyleFedAvg
 from benchmarks.naive import NaiveFedAvg, engine_orders, max_rel_diff
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
@@ -103,6 +105,7 @@ class Settings:
     batch_size: int = 64
     matmul_size: int = 2048
     matmul_reps: int = 10
+    stream_mib: int = 256  # each array of the bandwidth measurement
     # MLP bench: synthetic 28x28x1, equal clients.
     mlp_clients: int = 100
     mlp_examples: int = 600
@@ -168,7 +171,7 @@ def make_settings(suite: str = "cpu", quick: bool = False,
         # One narrow VGG9: each convnet costs ~20 s of compilation alone.
         conv = (ConvBench("vgg9_32x32x3", "vgg9", 0.25, (32, 32, 3), 4, 16, 16, 64, True),)
         return Settings(
-            suite=suite, quick=True, reps=r, matmul_size=1024, matmul_reps=3,
+            suite=suite, quick=True, reps=r, matmul_size=1024, matmul_reps=3, stream_mib=16,
             mlp_clients=10, mlp_examples=64, mlp_per_round=10, mlp_epochs=1,
             test_examples=500, eval_batch_size=250, naive_reps=r,
             padding_dataset="synthetic", padding_clients=10, padding_per_round=5,
@@ -384,12 +387,18 @@ def equal_parts(num_clients: int, size: int, seed: int) -> List[np.ndarray]:
     return [np.sort(p) for p in np.split(perm, num_clients)]
 
 
-def mlp_workload(settings: Settings, num_clients: int) -> Workload:
-    """The MLP bench: `num_clients` synthetic clients of `mlp_examples` 28x28x1 images."""
+def mlp_workload(settings: Settings, num_clients: int, precision: str = "float32"
+                 ) -> Workload:
+    """The MLP bench: `num_clients` synthetic clients of `mlp_examples` 28x28x1 images;
+    `precision` 'bfloat16' computes it in bfloat16 on float32 weights
+    (`fedjax_pan.models.precision.policy`, ImportError where that is missing)."""
     n = num_clients * settings.mlp_examples
     ds = data_lib.synthetic(n, settings.test_examples, image_shape=(28, 28, 1),
                             seed=settings.seed)
     model = models.build("mlp", 10)
+    if precision != "float32":
+        from fedjax_pan.models.precision import policy
+        model = policy(model, precision)
     return make_workload("mlp_synthetic", model, (28, 28, 1), ds.train_images,
                          ds.train_labels, equal_parts(num_clients, settings.mlp_examples,
                                                       settings.seed),
@@ -416,6 +425,8 @@ class Measured:
     train_loss: float
     accuracy: Optional[float]
     last_stats: Optional[Dict[str, Any]] = None  # the last timed round's statistics
+    # XLA's cost of each timed round (`benchmarks.roofline`); None where not modelled.
+    costs: Optional[List[Optional[roofline.Cost]]] = None
 
 
 def evaluate_round(evaluate: Callable[..., Dict[str, Any]], sim: Any, server: PyTree
@@ -426,8 +437,9 @@ def evaluate_round(evaluate: Callable[..., Dict[str, Any]], sim: Any, server: Py
 
 def time_engine(sim: Simulation, variables: PyTree,
                 evaluate: Optional[Callable[[PyTree], Dict[str, Any]]], warmup: int,
-                reps: int, slow_round_s: float) -> Measured:
-    """`warmup` untimed rounds, then `reps` timed rounds (1 if a round is slow)."""
+                reps: int, slow_round_s: float, cost: bool = True) -> Measured:
+    """`warmup` untimed rounds, then `reps` timed rounds (1 if a round is slow); with
+    `cost`, XLA's cost of each timed round too (computed before it, untimed)."""
     if warmup < 1:
         raise ValueError("at least one warm-up round is needed to absorb compilation")
     state = sim.init(variables)
@@ -447,8 +459,15 @@ def time_engine(sim: Simulation, variables: PyTree,
         warmup_s = time.perf_counter() - start
     slow = (warmup_s - warm.seconds) / warmup > slow_round_s
     train_s, eval_s, real, computed, accuracy = [], [], [], [], None
+    n = 1 if slow else reps
+    costs = None
+    if cost:
+        # Before the timed rounds (whose cohorts are known from their index): what this
+        # compiles is neither timed nor counted with the rounds.
+        coster = roofline.round_costs(sim)
+        costs = [coster(state._replace(round=state.round + i)) for i in range(n)]
     with count_compiles() as timed:
-        for _ in range(1 if slow else reps):
+        for _ in range(n):
             t0 = time.perf_counter()
             state, stats = sim.round(state)
             jax.block_until_ready(state.server)
@@ -461,14 +480,34 @@ def time_engine(sim: Simulation, variables: PyTree,
             computed.append(stats["computed_examples"])
     return Measured(train_s, eval_s, real, computed, all_real + sum(real),
                     all_computed + sum(computed), warmup_s, warm.count, warm.seconds,
-                    timed.count, timed.seconds, first, stats["train_loss"], accuracy, stats)
+                    timed.count, timed.seconds, first, stats["train_loss"], accuracy, stats,
+                    costs)
 
 
-def time_naive(naive: NaiveFedAvg, w: Workload, sim: Simulation, warmup: int, reps: int,
+class FedJaxStyleLoop:
+    """The FedJAX-style loop with the naive loop's round, evaluate, cost and epochs, so
+    `time_naive` times it on the same cohorts (its evaluation is the naive loop's; with
+    equal clients its example-weighted mean is the uniform one)."""
+
+    def __init__(self, loop: FedJaxStyleFedAvg, naive: NaiveFedAvg):
+        self.loop, self.naive, self.epochs = loop, naive, loop.epochs
+
+    def round(self, params, images, labels, clients, rng, order=None):
+        return self.loop.round(params, images, labels, clients, rng, jax.random.PRNGKey(0),
+                               order)
+
+    def evaluate(self, params, images, labels):
+        return self.naive.evaluate(params, images, labels)
+
+    def cost(self, params, images, labels) -> roofline.LoopCost:
+        return self.loop.cost(params, images, labels)
+
+
+def time_naive(naive: Any, w: Workload, sim: Simulation, warmup: int, reps: int,
                seed: int) -> Measured:
-    """The naive loop on the engine's cohorts (`sim.sample`); round 0 uses the engine's
-    batch order so its model can be compared with the engine's, later rounds shuffle with
-    numpy as a naive loop would."""
+    """The naive loop (or `FedJaxStyleLoop`) on the engine's cohorts (`sim.sample`); round 0
+    uses the engine's batch order so its model can be compared with the engine's, later
+    rounds shuffle with numpy as a naive loop would."""
     state0 = sim.init(w.variables)
     params = w.variables["params"]
     rng = np.random.default_rng(seed)
@@ -494,6 +533,9 @@ def time_naive(naive: NaiveFedAvg, w: Workload, sim: Simulation, warmup: int, re
             naive.evaluate(params, w.test_images, w.test_labels)
         warmup_s = time.perf_counter() - start
     train_s, eval_s, real, accuracy = [], [], [], None
+    loop_cost = naive.cost(params, w.train_images, w.train_labels)
+    costs = [loop_cost.round(sizes[sim.sample(r)], naive.epochs)
+             for r in range(warmup, warmup + reps)]
     with count_compiles() as timed:
         for r in range(warmup, warmup + reps):
             t0 = time.perf_counter()
@@ -508,11 +550,13 @@ def time_naive(naive: NaiveFedAvg, w: Workload, sim: Simulation, warmup: int, re
     # The naive loop computes short last batches at their true size: no padding.
     return Measured(train_s, eval_s, real, list(real), all_real, all_real, warmup_s,
                     warm.count, warm.seconds, timed.count, timed.seconds, first, loss,
-                    accuracy)
+                    accuracy, costs=costs)
 
 
-def summarize(m: Measured, flops_per_example: float, ceiling_gflops: float) -> Dict[str, Any]:
-    """The JSON record of one configuration."""
+def summarize(m: Measured, flops_per_example: float, roof: roofline.Roof,
+              dtype: str = "float32") -> Dict[str, Any]:
+    """The JSON record of one configuration: times, rates, its matmul-ceiling fraction
+    and (where its rounds' cost is known) its roofline (`roofline.row_record`)."""
     train = float(statistics.median(m.train_s))
     end_to_end = float(statistics.median([a + b for a, b in zip(m.train_s, m.eval_s)]))
     rate = sum(m.real) / sum(m.train_s)
@@ -526,7 +570,8 @@ def summarize(m: Measured, flops_per_example: float, ceiling_gflops: float) -> D
         "examples_per_second": rate,
         "real_examples_per_round": float(np.mean(m.real)),
         "gflops": gflops,
-        "fraction_of_ceiling": gflops / ceiling_gflops,
+        "fraction_of_ceiling": gflops / roof.peak(dtype),
+        **roofline.row_record(m.costs or [], m.train_s, roof, dtype),
         "padding_efficiency": m.all_real / m.all_computed,
         "warmup_seconds": m.warmup_s,
         "compiles_warmup": m.compiles_warmup,
@@ -558,11 +603,12 @@ def auto_summary(configs: Dict[str, Dict[str, Any]], variables: PyTree) -> Dict[
             "within_10_percent": timed[picks] <= 1.10 * timed[best]}
 
 
-def measure_matmul(size: int, reps: int) -> Dict[str, Any]:
-    """Jitted float32 (size x size) @ (size x size): the dense-compute ceiling."""
+def measure_matmul(size: int, reps: int, dtype: Any = jnp.float32) -> Dict[str, Any]:
+    """Jitted (size x size) @ (size x size) in `dtype` (float32: the dense-compute
+    ceiling)."""
     ka, kb = jax.random.split(jax.random.PRNGKey(0))
-    a = jax.random.normal(ka, (size, size), jnp.float32)
-    b = jax.random.normal(kb, (size, size), jnp.float32)
+    a = jax.random.normal(ka, (size, size), dtype)
+    b = jax.random.normal(kb, (size, size), dtype)
     matmul = jax.jit(jnp.matmul)
     jax.block_until_ready(matmul(a, b))
     times = []
@@ -577,17 +623,17 @@ def measure_matmul(size: int, reps: int) -> Dict[str, Any]:
 
 
 def naive_baseline(w: Workload, sim: Simulation, settings: Settings, reps: int,
-                    configs: Dict[str, Dict[str, Any]], ceiling: float, label: str,
+                    configs: Dict[str, Dict[str, Any]], roof: roofline.Roof, label: str,
                     log: Log) -> Tuple[Measured, Dict[str, Any]]:
     """Times the naive loop on the same cohorts and adds 'vs naive' ratios to `configs`."""
     nm = time_naive(w.naive(settings), w, sim, settings.warmup, reps, settings.seed)
-    naive = summarize(nm, w.flops_per_example, ceiling)
+    naive = summarize(nm, w.flops_per_example, roof)
     log(f"[{label}] naive: {naive['seconds_per_round']:.3f} s/round")
     add_naive_ratios(configs, naive)
     return nm, naive
 
 
-def time_strategies(w: Workload, per_round: int, settings: Settings, ceiling: float,
+def time_strategies(w: Workload, per_round: int, settings: Settings, roof: roofline.Roof,
                      log: Log, label: str) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any],
                                                     Simulation]:
     """Every concrete strategy, then the naive loop; records and agreement with naive."""
@@ -597,11 +643,22 @@ def time_strategies(w: Workload, per_round: int, settings: Settings, ceiling: fl
         sim = w.simulation(w.executor(strategy, per_round, settings), per_round, settings.seed)
         m = time_engine(sim, w.variables, evaluate, settings.warmup, settings.reps,
                         settings.slow_round_s)
-        configs[strategy] = summarize(m, w.flops_per_example, ceiling)
+        configs[strategy] = summarize(m, w.flops_per_example, roof)
         firsts[strategy] = m.first_params
         log(f"[{label}] {strategy}: {configs[strategy]['seconds_per_round']:.3f} s/round, "
-            f"{configs[strategy]['gflops']:.1f} GFLOP/s")
-    nm, naive = naive_baseline(w, sim, settings, settings.naive_reps, configs, ceiling,
+            f"{configs[strategy]['gflops']:.1f} GFLOP/s, "
+            f"{_percent(configs[strategy]['fraction_of_roofline'])} of the roofline")
+    nm, naive = naive_baseline(w, sim, settings, settings.naive_reps, configs, roof,
                                 label, log)
     agreement = {k: max_rel_diff(p, nm.first_params) for k, p in firsts.items()}
     return configs, {"naive": naive, "agreement_max_rel_diff": agreement}, sim
+
+
+def _percent(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def measure_roof(settings: Settings) -> Tuple[roofline.Roof, Dict[str, Any]]:
+    """The machine's roof now: float32 matmul rate and memory bandwidth."""
+    return roofline.measure_roof(measure_matmul, settings.matmul_size, settings.matmul_reps,
+                                 settings.stream_mib)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from benchmarks import roofline
 from fedjax_pan.engine.clients import epoch_order
 
 PyTree = Any
@@ -96,6 +97,17 @@ class NaiveFedAvg:
             mean = jax.tree_util.tree_map(lambda *xs: sum(v * x for v, x in zip(w, xs)),
                                           *trained)
         return mean, float(np.mean(jax.device_get(losses)))
+
+    def cost(self, params: PyTree, images: np.ndarray, labels: np.ndarray
+             ) -> roofline.LoopCost:
+        """XLA's cost of this loop's rounds: its `train_step` per batch (the averaging runs
+        op by op, outside any compiled program, and is not counted)."""
+        opt_state = self.tx.init(params)
+
+        def step_at(rows: int) -> roofline.Cost:
+            return roofline.program_cost(self.train_step, params, opt_state, images[:rows],
+                                         labels[:rows])
+        return roofline.LoopCost(step_at, self.batch_size)
 
     def evaluate(self, params: PyTree, images: np.ndarray,
                  labels: np.ndarray) -> Dict[str, float]:

@@ -1,4 +1,4 @@
-"""A third baseline: FedAvg written as PFLlib runs it, in PyTorch on the CPU.
+"""A third baseline: FedAvg written as PFLlib runs it, in PyTorch (on the CPU, or `device`).
 
 PFLlib's clients (`clientavg.train`): each sampled client copies the global model, builds
 `torch.optim.SGD(lr)` and a `DataLoader(batch_size=B, shuffle=True, drop_last=False)` over
@@ -31,12 +31,12 @@ class PyTorchStyleFedAvg:
     """FedAvg rounds as PFLlib runs them (a DataLoader per client, one step per batch)."""
 
     def __init__(self, params: PyTree, learning_rate: float = 0.05, momentum: float = 0.0,
-                 batch_size: int = 64, epochs: int = 5, seed: int = 0):
+                 batch_size: int = 64, epochs: int = 5, seed: int = 0, device: str = "cpu"):
         import torch
 
         if int(epochs) != epochs or epochs < 1:
             raise ValueError(f"the PyTorch-style loop runs whole epochs only, got {epochs}")
-        self.torch = torch
+        self.torch, self.device = torch, torch.device(device)
         self.lr, self.momentum = float(learning_rate), float(momentum)
         self.batch_size, self.epochs = int(batch_size), int(epochs)
         self.generator = torch.Generator().manual_seed(seed)
@@ -48,7 +48,7 @@ class PyTorchStyleFedAvg:
             layers.append(linear)
             if i < len(self.names) - 1:
                 layers.append(torch.nn.ReLU())
-        self.model = torch.nn.Sequential(torch.nn.Flatten(), *layers)
+        self.model = torch.nn.Sequential(torch.nn.Flatten(), *layers).to(self.device)
         self.load(params)
         self.loss = torch.nn.CrossEntropyLoss()
 
@@ -61,12 +61,12 @@ class PyTorchStyleFedAvg:
             for linear, name in zip(self._linears(), self.names):
                 linear.weight.copy_(self.torch.from_numpy(
                     np.ascontiguousarray(np.asarray(params[name]["kernel"]).T)))
-                linear.bias.copy_(self.torch.from_numpy(np.asarray(params[name]["bias"])))
+                linear.bias.copy_(self.torch.from_numpy(np.array(params[name]["bias"])))
 
     def params(self) -> Dict[str, Dict[str, np.ndarray]]:
         """The global model as JAX-layout params."""
-        return {name: {"kernel": linear.weight.detach().numpy().T.copy(),
-                       "bias": linear.bias.detach().numpy().copy()}
+        return {name: {"kernel": linear.weight.detach().cpu().numpy().T.copy(),
+                       "bias": linear.bias.detach().cpu().numpy().copy()}
                 for linear, name in zip(self._linears(), self.names)}
 
     def _loader(self, x, y, order_rows: Optional[Sequence[np.ndarray]]):
@@ -102,6 +102,8 @@ class PyTorchStyleFedAvg:
                                                  for e in range(self.epochs)]
             model.train()
             for xb, yb in self._loader(x, y, orders):
+                # PFLlib keeps the data on the host and moves each batch to the device.
+                xb, yb = xb.to(self.device), yb.to(self.device)
                 loss = self.loss(model(xb), yb)
                 opt.zero_grad()
                 loss.backward()
@@ -113,4 +115,6 @@ class PyTorchStyleFedAvg:
         with torch.no_grad():
             for p, value in zip(self.model.parameters(), new):
                 p.copy_(value)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
         return None, examples

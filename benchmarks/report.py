@@ -8,7 +8,7 @@ Results = Dict[str, Any]
 
 # (name, section path, threshold, comparison); values are looked up by `_target_value`.
 TARGETS = (
-    ("MLP bench local training >= 85% of the matmul ceiling", "mlp_ceiling", 0.85, ">="),
+    ("MLP bench local training >= 85% of its roofline", "mlp_roofline", 0.85, ">="),
     ("End-to-end MLP round >= 1.25x faster than the naive loop", "mlp_speedup", 1.25, ">="),
     ("Padding efficiency >= 90% at alpha=0.1", "padding", 0.90, ">="),
     ("auto within 10% of the best strategy (MLP)", "auto_mlp", 1.10, "<="),
@@ -43,7 +43,8 @@ def _target_value(results: Results, key: str) -> Optional[float]:
     """The measured figure a target is judged on (for `auto`'s pick), None if not run."""
     if key.startswith("mlp") and "mlp" in results:
         rec = results["mlp"]["strategies"][results["mlp"]["auto"]["picks"]]
-        return rec["fraction_of_ceiling"] if key == "mlp_ceiling" else rec["speedup_vs_naive"]
+        return (rec.get("fraction_of_roofline") if key == "mlp_roofline"
+                else rec["speedup_vs_naive"])
     if key == "padding" and "padding" in results:
         pad = results["padding"]
         return pad["configs"][pad["auto"]["picks"]]["padding_efficiency"]
@@ -107,8 +108,17 @@ def evaluate_targets(results: Results) -> List[Dict[str, Any]]:
 # ----------------------------------------------------------------------------------------
 
 COLUMNS = ("config", "s/round", "eval s", "end-to-end s", "examples/s", "GFLOP/s",
-           "% ceiling", "padding eff", "vs naive (e2e)", "vs naive (train)",
-           "compiles warm/timed", "reps")
+           "% ceiling", "% roofline", "bound", "padding eff", "vs naive (e2e)",
+           "vs naive (train)", "compiles warm/timed", "reps")
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _roofline_cells(rec: Dict[str, Any]) -> List[str]:
+    """'% roofline' and which side of the ridge the row's work falls on."""
+    return [_pct(rec.get("fraction_of_roofline")), rec.get("roofline_bound") or "-"]
 
 
 def _row(name: str, rec: Dict[str, Any]) -> List[str]:
@@ -117,6 +127,7 @@ def _row(name: str, rec: Dict[str, Any]) -> List[str]:
     return [name, f"{rec['seconds_per_round']:.3f}", f"{rec['eval_seconds']:.3f}",
             f"{rec['end_to_end_seconds']:.3f}", f"{rec['examples_per_second']:.0f}",
             f"{rec['gflops']:.1f}", f"{100 * rec['fraction_of_ceiling']:.1f}%",
+            *_roofline_cells(rec),
             f"{100 * rec['padding_efficiency']:.1f}%", opt("speedup_vs_naive", ".2f"),
             opt("training_speedup_vs_naive", ".2f"),
             f"{rec['compiles_warmup']}/{rec['compiles_timed']}", str(rec["reps"])]
@@ -129,8 +140,16 @@ def _strategy_block(title: str, r: Dict[str, Any]) -> tuple:
              f"auto picks {r['auto']['picks']}; best {r['auto']['best']}; auto/best = "
              f"{r['auto']['ratio_to_best']:.3f}",
              f"engine vs naive averaged model after round 0 (max rel diff): {agree}"]
-    return (title, notes, list(COLUMNS),
-            _strategy_rows(r["strategies"], r["naive"], r["auto"]["picks"]))
+    rows = _strategy_rows(r["strategies"], r["naive"], r["auto"]["picks"])
+    if r.get("fedjax_style"):
+        rows.append(_row("fedjax-style loop", r["fedjax_style"]))
+    if r.get("bfloat16"):
+        rows.append(_row(f"{r['bfloat16']['strategy']} bfloat16", r["bfloat16"]))
+        notes.append(f"bfloat16: the model computed in bfloat16 on float32 weights "
+                     f"(`models.precision.policy`), its roofline against the bfloat16 "
+                     f"matmul rate ({r['bfloat16']['matmul_gflops_bf16']:.1f} GFLOP/s); a "
+                     "row, no target")
+    return (title, notes, list(COLUMNS), rows)
 
 
 def _strategy_rows(configs: Dict[str, Dict[str, Any]], naive: Dict[str, Any],
@@ -166,11 +185,27 @@ def _blocks(results: Results) -> List[tuple]:
     mm = results["matmul"]
     per_section = mm.get("per_section_gflops", {})
     again = ", ".join(f"{k} {v:.1f}" for k, v in per_section.items())
-    blocks.append(("Matmul ceiling", [
+    lines = [
         f"jitted float32 {mm['size']}x{mm['size']} @ {mm['size']}x{mm['size']}, median of "
         f"{mm['reps']}: {mm['gflops']:.1f} GFLOP/s (best {mm['best_gflops']:.1f})",
-        f"re-measured before each section, whose '% ceiling' uses its own: {again or '-'}"],
-        None, None))
+        f"re-measured before each section, whose '% ceiling' uses its own: {again or '-'}"]
+    roof = results.get("roof")
+    if roof:
+        bw = ", ".join(f"{k} {v['bandwidth_gbs']:.1f}"
+                       for k, v in roof.get("per_section", {}).items())
+        lines += [
+            f"memory bandwidth, float32 arrays of {roof['stream_mib']} MiB each, GB/s read + "
+            f"written: jitted copy {roof['copy_gbs']:.1f}, jitted triad "
+            f"{roof['triad_gbs']:.1f}, NumPy triad {roof['numpy_triad_gbs']:.1f}; the best "
+            f"triad, {roof['bandwidth_gbs']:.1f}, is the roof's (per section: {bw or '-'}); "
+            f"ridge {roof['ridge_flops_per_byte']:.1f} FLOP/byte",
+            "% roofline = the least time a row's work takes here, max(XLA FLOPs / matmul "
+            "rate, XLA bytes accessed / bandwidth) summed over its timed rounds, over its "
+            "measured time; XLA counts every fused op's operands and outputs, an upper bound "
+            "on memory traffic (operands that stay in cache count too), so a row above 100% "
+            "moved less than XLA counts (`benchmarks/roofline.py`); bound = the side of the "
+            "ridge"]
+    blocks.append(("Machine roof: matmul ceiling and memory bandwidth", lines, None, None))
     if "mlp" in results:
         blocks.append(_strategy_block("MLP bench", results["mlp"]))
     if "padding" in results:
@@ -191,11 +226,12 @@ def _blocks(results: Results) -> List[tuple]:
     if "scaling" in results:
         r = results["scaling"]
         header = ["clients/round", "s/round", "s/client", "per-client vs first", "examples/s",
-                  "GFLOP/s", "% ceiling", "compiles warm/timed", "reps"]
+                  "GFLOP/s", "% ceiling", "% roofline", "bound", "compiles warm/timed",
+                  "reps"]
         rows = [[str(p["clients_per_round"]), f"{p['seconds_per_round']:.3f}",
                  f"{p['seconds_per_client']:.4f}", f"{p['per_client_vs_first']:.3f}",
                  f"{p['examples_per_second']:.0f}", f"{p['gflops']:.1f}",
-                 f"{100 * p['fraction_of_ceiling']:.1f}%",
+                 f"{100 * p['fraction_of_ceiling']:.1f}%", *_roofline_cells(p),
                  f"{p['compiles_warmup']}/{p['compiles_timed']}", str(p["reps"])]
                 for p in r["points"]]
         blocks.append(("Scaling (MLP bench)", [
@@ -256,11 +292,12 @@ def _moon_block(r: Dict[str, Any]) -> tuple:
 def _throughput_blocks(r: Dict[str, Any]) -> List[tuple]:
     w = r["workload"]
     torch_row = any("vs_pytorch" in c for c in r["configs"].values())
-    header = ["config", "s/round", "examples/s", "GFLOP/s", "% ceiling", "vs FedJAX-style",
-              "vs naive", *(["vs PyTorch"] if torch_row else []), "compiles warm/timed",
-              "reps"]
+    header = ["config", "s/round", "examples/s", "GFLOP/s", "% ceiling", "% roofline",
+              "bound", "vs FedJAX-style", "vs naive", *(["vs PyTorch"] if torch_row else []),
+              "compiles warm/timed", "reps"]
     rows = [[k, f"{c['seconds_per_round']:.3f}", f"{c['examples_per_second']:.0f}",
              f"{c['gflops']:.1f}", f"{100 * c['fraction_of_ceiling']:.1f}%",
+             *_roofline_cells(c),
              f"{c['vs_fedjax_style']:.3f}", f"{c['vs_naive']:.3f}",
              *([f"{c['vs_pytorch']:.3f}"] if torch_row else []),
              f"{c['compiles_warmup']}/{c['compiles_timed']}", str(c["reps"])]
@@ -342,6 +379,7 @@ def _grouped_blocks(r: Dict[str, Any]) -> List[tuple]:
                 rows.append([key, f"{name} (auto)" if name == auto else name,
                              f"{rec['seconds_per_round']:.3f}", f"{rec['gflops']:.1f}",
                              f"{100 * rec['fraction_of_ceiling']:.1f}%",
+                             *_roofline_cells(rec),
                              f"{rec['compiles_warmup']}/{rec['compiles_timed']}",
                              str(rec["reps"])])
             impls = ", ".join(b["conv_impls"]) or "no G-group convs"
@@ -350,7 +388,7 @@ def _grouped_blocks(r: Dict[str, Any]) -> List[tuple]:
                          f"{b['auto']['ratio_to_best']:.3f}")
         blocks.append(("Execution strategy for grouped models", notes,
                        ["model", "strategy", "s/round", "GFLOP/s", "% ceiling",
-                        "compiles warm/timed", "reps"], rows))
+                        "% roofline", "bound", "compiles warm/timed", "reps"], rows))
     return blocks
 
 
@@ -367,23 +405,24 @@ PROFILE_PARTS = {
 
 def _algorithms_block(results: Results) -> tuple:
     r = results["algorithms"]
-    header = ["algorithm", "s/round", "vs FedAvg", "client state (MiB, all K)",
+    header = ["algorithm", "s/round", "vs FedAvg", "% roofline", "client state (MiB, all K)",
               "server state (MiB)"]
     rows = [[name, f"{a['seconds_per_round']:.3f}", f"{a['vs_fedavg']:.2f}x",
+             _pct(a.get("fraction_of_roofline")),
              f"{a['client_state_mib']:.1f}", f"{a['server_state_mib']:.1f}"]
             for name, a in r["algorithms"].items()]
     med = r["median_aggregation"]
     rows.append(["fedavg + median", f"{med['seconds_per_round']:.3f}",
-                 f"{med['vs_fedavg']:.2f}x",
+                 f"{med['vs_fedavg']:.2f}x", "-",
                  f"stacked outputs {med['stacked_outputs_mib']:.1f}", ""])
     for n_sf, a in r.get("shuffled", {}).items():
         rows.append([f"fedavg + Alg. 2 shuffling (N_sf {n_sf}, P_sf 0.1)",
-                     f"{a['seconds_per_round']:.3f}", f"{a['vs_fedavg']:.2f}x", "", ""])
+                     f"{a['seconds_per_round']:.3f}", f"{a['vs_fedavg']:.2f}x", "-", "", ""])
     tuned = r.get("fine_tuned")
     if tuned:
         rows.append([f"FedAvg-C evaluation: all {tuned['clients']} clients fine-tune 1 "
                      f"epoch", f"{tuned['seconds']:.3f}", f"{tuned['vs_fedavg_round']:.2f}x",
-                     "", ""])
+                     "-", "", ""])
     lines = [_describe(r["workload"]),
              f"strategy {r['strategy']} (auto); training and aggregation, no evaluation; "
              "each algorithm with its default options"]
@@ -420,8 +459,9 @@ def _defences_block(r: Dict[str, Any]) -> tuple:
 
 
 def _compression_block(r: Dict[str, Any]) -> tuple:
-    header = ["method", "s/round", "vs FedAvg", "MiB up", "MiB down"]
+    header = ["method", "s/round", "vs FedAvg", "% roofline", "MiB up", "MiB down"]
     rows = [[name, f"{rec['seconds_per_round']:.3f}", f"{rec['vs_fedavg']:.2f}x",
+             _pct(rec.get("fraction_of_roofline")),
              f"{rec['upload_mib']:.2f}", f"{rec['download_mib']:.2f}"]
             for name, rec in r["methods"].items()]
     return ("Compression and DP-FedAvg on the MLP bench",
@@ -438,7 +478,8 @@ def _profile_block(results: Results) -> tuple:
                      "-" if "fraction_of_ceiling" not in rec
                      else f"{100 * rec['fraction_of_ceiling']:.1f}%",
                      "-" if "gb_per_s" not in rec else f"{rec['gb_per_s']:.1f}",
-                     PROFILE_PARTS.get(name, "")])
+                     "-" if "xla_bytes" not in rec else f"{rec['xla_bytes'] / 2**20:.1f}",
+                     *_roofline_cells(rec), PROFILE_PARTS.get(name, "")])
     floor = r["rows"]["floor"]["fraction_of_ceiling"]
     notes = [f"one local step of the MLP bench (B={r['batch_size']}) taken apart; FLOPs as "
              "in the MLP bench (6 x params per example)",
@@ -451,7 +492,23 @@ def _profile_block(results: Results) -> tuple:
         notes.append(f"the MLP bench's `auto` strategy ran at "
                      f"{100 * rec['fraction_of_ceiling']:.1f}% of its ceiling, "
                      f"{rec['fraction_of_ceiling'] / floor:.2f} of this floor")
-    header = ["part", "ms", "GFLOP/s", "% ceiling", "GB/s", "what"]
+    rp = r.get("round")
+    if rp:
+        notes += [
+            f"one MLP-bench round profiled (`python -m benchmarks.profile_step --trace-round "
+            f"DIR`), strategy {rp['strategy']}, {rp['clients_per_round']} clients: "
+            f"{rp['round_s']:.3f} s, of which {rp['executor_s']:.3f} s in the executor "
+            f"(local training) and {rp['outside_executor_s']:.3f} s outside it; "
+            f"{rp['compiles']} compilations; padding efficiency "
+            f"{100 * rp['padding_efficiency']:.1f}%",
+            f"under the profiler: {rp['traced_round_s']:.3f} s, some XLA program running "
+            f"{rp['xla_busy_s']:.3f} s (summed over threads {rp['xla_thread_s']:.3f} s), none "
+            f"running (host work, dispatch, syncs) {rp['host_only_s']:.3f} s; engine "
+            "functions by inclusive time: " + ", ".join(
+                f"{o['name']} {o['seconds']:.3f} s x{o['calls']}"
+                for o in rp["engine_functions"][:5])]
+    header = ["part", "ms", "GFLOP/s", "% ceiling", "GB/s", "XLA MiB", "% roofline", "bound",
+              "what"]
     return ("What stands between the MLP step and the matmul ceiling", notes, header, rows)
 
 

@@ -1,6 +1,6 @@
-"""The benchmark suite: the matmul ceiling, then each section (`benchmarks/sections/`: MLP
-bench, padding, conv nets, scaling, profile, algorithms, defences, compression, grouped
-convs; throughput).
+"""The benchmark suite: the machine's roof (matmul ceiling and memory bandwidth), then each
+section (`benchmarks/sections/`: MLP bench, padding, conv nets, scaling, profile,
+algorithms, defences, compression, grouped convs; throughput).
 
 Every figure is measured in this one process after warm-up: each configuration runs
 `warmup` untimed rounds (which absorb compilation; their compile count and seconds are
@@ -9,13 +9,16 @@ reported), then timed rounds whose median is reported. A round is timed with
 server state; "end-to-end" adds evaluating the global model on the test set. Rounds
 whose warm-up already exceeds `slow_round_s` (convnets under `vmap` on CPU, scaling at
 50+ clients) are timed once instead of `reps` times, so the suite stays inside its time
-budget. The matmul ceiling is re-measured right before each section, which divides by its
-own measurement.
+budget. The roof is re-measured right before each section, which divides by its own
+measurement.
 
 FLOPs: the MLP bench counts 6 x parameters per real (unmasked) training example, as the
 issue defines it; convnets count 3 x the forward FLOPs of XLA's cost analysis; grouped
 convs count a grouped conv's real FLOPs (never a block-diagonal expansion's zeros). Padded
-examples are never counted as useful work.
+examples are never counted as useful work. The roofline of a row counts XLA's own FLOPs
+and bytes accessed of the programs its rounds run (`benchmarks.roofline`), against the
+measured matmul rate and memory bandwidth: `fraction_of_roofline` = the least time that
+work takes here / the measured time.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Any, Dict, Sequence
 
 from benchmarks import throughput
 from benchmarks.harness import (Log, Settings, device_peak_mib, machine_info, make_settings,
-                                measure_matmul, peak_rss_mib)
+                                measure_roof, peak_rss_mib)
 from benchmarks.sections.algorithms import algorithms_section
 from benchmarks.sections.compression import compression_section
 from benchmarks.sections.defences import defences_section
@@ -50,36 +53,44 @@ SECTION_FUNCTIONS = {"mlp": mlp_section, "padding": padding_section, "vgg": conv
                      "algorithms": algorithms_section, "defences": defences_section,
                      "compression": compression_section,
                      "grouped_conv": grouped_conv_section,
-                     "throughput": lambda settings, ceiling, log: throughput.throughput_section(
-                         settings.throughput, ceiling, log)}
+                     "throughput": lambda settings, roof, log: throughput.throughput_section(
+                         settings.throughput, roof, log)}
 
 
 def run_suite(settings: Settings, only: Sequence[str] = SECTIONS,
               log: Log = lambda s: print(s, file=sys.stderr, flush=True)) -> Dict[str, Any]:
-    """Runs the matmul ceiling and the sections in `only`; returns the results tree."""
+    """Measures the roof, runs the sections in `only`; returns the results tree."""
     unknown = set(only) - set(SECTIONS)
     if unknown:
         raise ValueError(f"unknown section(s) {sorted(unknown)}; expected some of {SECTIONS}")
     start = time.perf_counter()
     results: Dict[str, Any] = {"meta": machine_info(), "settings": dataclasses.asdict(settings)}
     with count_compiles() as compiles:
-        results["matmul"] = measure_matmul(settings.matmul_size, settings.matmul_reps)
-        log(f"[matmul] {results['matmul']['gflops']:.1f} GFLOP/s")
+        _, results["roof"] = measure_roof(settings)
+        roof = results["roof"]
+        results["matmul"] = {"size": settings.matmul_size, "reps": settings.matmul_reps,
+                             "gflops": roof["matmul_gflops"],
+                             "best_gflops": roof["matmul_best_gflops"]}
+        log(f"[roof] matmul {roof['matmul_gflops']:.1f} GFLOP/s, bandwidth "
+            f"{roof['bandwidth_gbs']:.1f} GB/s (copy {roof['copy_gbs']:.1f}, triad "
+            f"{roof['triad_gbs']:.1f}, NumPy triad {roof['numpy_triad_gbs']:.1f})")
         memory = {"after_matmul_mib": peak_rss_mib()}
         seconds = {"matmul": time.perf_counter() - start}
-        ceilings = {}
+        ceilings, roofs = {}, {}
         for section in SECTIONS:
             if section in only:
                 t0 = time.perf_counter()
                 # Re-measured next to each section: on a shared machine the rate drifts,
                 # and a fraction is only meaningful against the same conditions.
-                ceiling = measure_matmul(settings.matmul_size, settings.matmul_reps)["gflops"]
-                ceilings[section] = ceiling
-                log(f"[{section}] matmul ceiling {ceiling:.1f} GFLOP/s")
-                results[section] = SECTION_FUNCTIONS[section](settings, ceiling, log)
+                roof, roofs[section] = measure_roof(settings)
+                ceilings[section] = roof.peak_gflops
+                log(f"[{section}] matmul ceiling {roof.peak_gflops:.1f} GFLOP/s, bandwidth "
+                    f"{roof.bandwidth_gbs:.1f} GB/s")
+                results[section] = SECTION_FUNCTIONS[section](settings, roof, log)
                 seconds[section] = time.perf_counter() - t0
                 memory[f"after_{section}_mib"] = peak_rss_mib()
     results["matmul"]["per_section_gflops"] = ceilings
+    results["roof"]["per_section"] = roofs
     results["compiles"] = {"count": compiles.count, "seconds": compiles.seconds}
     results["section_seconds"] = seconds
     results["memory"] = {"peak_rss_mib": peak_rss_mib(), "device_peak_mib": device_peak_mib(),

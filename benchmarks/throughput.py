@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple  # noqa:
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks import pytorch_style  # noqa: E402
+from benchmarks import pytorch_style, roofline  # noqa: E402
 from benchmarks.fedjax_style import FedJaxStyleFedAvg  # noqa: E402
 from benchmarks.pytorch_style import PyTorchStyleFedAvg  # noqa: E402
 from benchmarks.naive import NaiveFedAvg, engine_orders, max_rel_diff  # noqa: E402
@@ -135,10 +135,13 @@ def simulation(s: ThroughputSettings, setup: Setup, strategy: str,
 
 class _Config:
     """One timed configuration: `run(r)` trains round r (blocking) and returns its real
-    examples; `params()` the current global parameters."""
+    examples; `params()` the current global parameters; `cost(r)` XLA's cost of round r
+    (`benchmarks.roofline`; None where not modelled), asked for before the timed rounds."""
 
-    def __init__(self, run: Callable[[int], int], params: Callable[[], PyTree]):
-        self.run, self.params = run, params
+    def __init__(self, run: Callable[[int], int], params: Callable[[], PyTree],
+                 cost: Callable[[int], Optional[roofline.Cost]] = lambda r: None):
+        self.run, self.params, self.cost = run, params, cost
+        self.costs: List[Optional[roofline.Cost]] = []
         self.seconds: List[float] = []
         self.examples: List[int] = []
         self.compiles_warmup = self.compiles_timed = 0
@@ -153,7 +156,9 @@ def _engine_config(sim: Simulation, variables: PyTree) -> _Config:
         box[0], stats = sim.round(box[0])
         jax.block_until_ready(box[0].server)
         return int(stats["real_examples"])
-    return _Config(run, lambda: sim.evaluation(box[0].server)[1]["params"])
+    coster = roofline.round_costs(sim)
+    return _Config(run, lambda: sim.evaluation(box[0].server)[1]["params"],
+                   lambda r: coster(box[0]._replace(round=r)))
 
 
 def _host_config(s: ThroughputSettings, setup: Setup, sim: Simulation,
@@ -179,12 +184,21 @@ def _host_config(s: ThroughputSettings, setup: Setup, sim: Simulation,
                                    weights=setup.data.sizes[ids])
         jax.block_until_ready(box[0])
         return real_examples(setup.work, setup.data.sizes[ids])
+    # The PyTorch loop runs no XLA program: its rounds are costed as the FedJAX-style
+    # loop's programs for the same maths.
+    model = FedJaxStyleFedAvg(setup.model, s.learning_rate, s.momentum, s.batch_size,
+                              s.epochs) if isinstance(loop, PyTorchStyleFedAvg) else loop
+    steps = model.cost(setup.variables["params"], setup.images, setup.labels)
+
+    def cost(r: int) -> roofline.Cost:
+        return steps.round(setup.data.sizes[sim.sample(r)], s.epochs)
     if isinstance(loop, PyTorchStyleFedAvg):
-        return _Config(run, loop.params)
-    return _Config(run, lambda: box[0])
+        return _Config(run, loop.params, cost)
+    return _Config(run, lambda: box[0], cost)
 
 
-def throughput_section(s: ThroughputSettings, ceiling: float, log: Log) -> Dict[str, Any]:
+def throughput_section(s: ThroughputSettings, roof: roofline.Roof, log: Log
+                       ) -> Dict[str, Any]:
     """Throughput per configuration, ratios to both baselines, agreement, start-up."""
     images, labels, dataset = load_data(s)
     setup = build(s, images, labels, partition(s, labels), dataset)
@@ -215,6 +229,8 @@ def throughput_section(s: ThroughputSettings, ceiling: float, log: Log) -> Dict[
         firsts[k] = c.params()
         log(f"[throughput] {k}: warm-up round done")
     names = list(configs)
+    for c in configs.values():  # untimed, before the timed rounds
+        c.costs = [c.cost(r) for r in range(1, s.reps + 1)]
     for r in range(1, s.reps + 1):
         # Each round starts with another row, so no row always runs first after a switch.
         for k in names[(r - 1) % len(names):] + names[:(r - 1) % len(names)]:
@@ -232,7 +248,8 @@ def throughput_section(s: ThroughputSettings, ceiling: float, log: Log) -> Dict[
         records[k] = {"seconds_per_round": float(statistics.median(c.seconds)),
                       "round_seconds": c.seconds, "reps": len(c.seconds),
                       "examples_per_second": rate, "gflops": rate * flops / 1e9,
-                      "fraction_of_ceiling": rate * flops / 1e9 / ceiling,
+                      "fraction_of_ceiling": rate * flops / 1e9 / roof.peak_gflops,
+                      **roofline.row_record(c.costs, c.seconds, roof),
                       "compiles_warmup": c.compiles_warmup,
                       "compile_seconds_warmup": c.compile_seconds_warmup,
                       "compiles_timed": c.compiles_timed}

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from benchmarks.harness import Log, Settings, Workload, mlp_workload, summarize, time_engine
+from benchmarks.roofline import Roof
 from fedjax_pan import models
 from fedjax_pan.algorithms import tree_bytes
 from fedjax_pan.config.defaults import set_keys
@@ -48,7 +49,7 @@ def _bench_config(settings: Settings, w: "Workload", per_round: int) -> Any:
     return cfg
 
 
-def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+def algorithms_section(settings: Settings, roof: Roof, log: Log) -> Dict[str, Any]:
     """The MLP bench round (training and aggregation, no evaluation) per registered
     algorithm with its default options, relative to FedAvg; the memory each keeps per
     client (all K) and a stacked aggregation rule's buffer (M outputs)."""
@@ -70,11 +71,13 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
         sim = _bench_round(cfg, model, variables, w)
         if not isinstance(sim, Simulation):
             continue  # its own driver for this config: `driver_rows` below
-        m = time_engine(sim, variables, None, settings.warmup, reps, settings.slow_round_s)
-        rec = summarize(m, w.flops_per_example, ceiling)
+        m = time_engine(sim, variables, None, settings.warmup, reps, settings.slow_round_s,
+                        cost=not settings.quick)
+        rec = summarize(m, w.flops_per_example, roof)
         state = sim.init(variables)
         rec = {"seconds_per_round": rec["seconds_per_round"], "reps": rec["reps"],
                "compiles_timed": rec["compiles_timed"],
+               "fraction_of_roofline": rec["fraction_of_roofline"],
                "client_state_mib": tree_bytes(state.client_states) / 2**20,
                "server_state_mib": tree_bytes(state.server) / 2**20}
         out[name] = rec
@@ -86,8 +89,9 @@ def algorithms_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
     def fedavg_variant(changes):
         variant = set_keys(cfg.copy_and_resolve_references(), {"algorithm": "fedavg", **changes})
         sim = _bench_round(variant, w.model, w.variables, w)
-        m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s)
-        seconds = summarize(m, w.flops_per_example, ceiling)["seconds_per_round"]
+        m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s,
+                        cost=False)
+        seconds = summarize(m, w.flops_per_example, roof)["seconds_per_round"]
         return {"seconds_per_round": seconds,
                 "vs_fedavg": seconds / out["fedavg"]["seconds_per_round"]}
 
@@ -151,7 +155,8 @@ def driver_rows(settings: Settings, w: Workload, cfg: Any, strategy: str,
                                 {"algorithm": "fedavg", "execution.strategy": strategy}),
                        model, variables, w)
     reps = 1 if settings.quick else settings.reps
-    base = time_engine(sim, variables, None, settings.warmup, reps, settings.slow_round_s)
+    base = time_engine(sim, variables, None, settings.warmup, reps, settings.slow_round_s,
+                       cost=False)
     model_bytes = float(tree_bytes(variables))
     fedavg_rec = {"seconds_per_round": float(np.median(base.train_s)),
                   "upload_mib": m_per * model_bytes / 2**20,
@@ -164,7 +169,8 @@ def driver_rows(settings: Settings, w: Workload, cfg: Any, strategy: str,
         driver = _bench_round(cfg, model, variables, w)
         if isinstance(driver, Simulation):
             continue  # one compiled round for this config
-        m = time_engine(driver, variables, None, settings.warmup, reps, settings.slow_round_s)
+        m = time_engine(driver, variables, None, settings.warmup, reps, settings.slow_round_s,
+                        cost=False)
         stats = m.last_stats
         rec = {"seconds_per_round": float(np.median(m.train_s)), "reps": len(m.train_s),
                "compiles_timed": m.compiles_timed, "compile_s_timed": m.compile_s_timed,

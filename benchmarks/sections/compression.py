@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from benchmarks.harness import Log, Settings, mlp_workload, summarize, time_engine
+from benchmarks.roofline import Roof
 from benchmarks.sections.algorithms import _bench_config
 from fedjax_pan.config.defaults import set_keys
 
@@ -33,7 +34,7 @@ METHODS = {
 QUICK = ("fedavg", "top_k 10%", "qsgd 16 levels", "dp clipping (z = 1)")
 
 
-def compression_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+def compression_section(settings: Settings, roof: Roof, log: Log) -> Dict[str, Any]:
     """Seconds per round of each of `METHODS` (`QUICK` in the quick suite) on the MLP
     bench, its ratio to FedAvg's and its bytes up and down in the round."""
     from fedjax_pan.run.assembly import make_round
@@ -48,12 +49,14 @@ def compression_section(settings: Settings, ceiling: float, log: Log) -> Dict[st
             continue
         cfg = set_keys(base.copy_and_resolve_references(), changes)
         sim = make_round(cfg, w.model, w.variables, w.data, w.work)
-        m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s)
-        rec = summarize(m, w.flops_per_example, ceiling)
+        m = time_engine(sim, w.variables, None, settings.warmup, reps, settings.slow_round_s,
+                        cost=not settings.quick)
+        rec = summarize(m, w.flops_per_example, roof)
         state = sim.init(w.variables)
         _, stats = sim.round(state)
         rows[name] = {"seconds_per_round": rec["seconds_per_round"], "reps": rec["reps"],
                       "compiles_timed": rec["compiles_timed"],
+                      "fraction_of_roofline": rec["fraction_of_roofline"],
                       "upload_mib": stats["upload_bytes"] / 2**20,
                       "download_mib": stats["download_bytes"] / 2**20}
     first = rows["fedavg"]["seconds_per_round"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from benchmarks.harness import Log, Settings, mlp_workload, summarize, time_engine
+from benchmarks.roofline import Roof
 from benchmarks.sections.algorithms import _bench_config
 from fedjax_pan.algorithms import aggregation
 from fedjax_pan.config.defaults import set_keys
@@ -29,7 +30,7 @@ RULES = {
 QUICK = ("mean (FedAvg)", "multi_krum", "sageflow", "mean, stragglers (stale, D = 2)")
 
 
-def defences_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+def defences_section(settings: Settings, roof: Roof, log: Log) -> Dict[str, Any]:
     """Seconds per round (training and aggregation, no evaluation) of each rule in
     `RULES` (`QUICK` only, in the quick suite) at each cohort size of `PER_ROUND` (capped
     at the bench's clients), and its ratio to FedAvg's mean in the same cohort."""
@@ -52,10 +53,11 @@ def defences_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, 
             cfg = set_keys(base.copy_and_resolve_references(), changes)
             sim = make_round(cfg, w.model, w.variables, w.data, w.work, *public)
             m = time_engine(sim, w.variables, None, settings.warmup, reps,
-                            settings.slow_round_s)
-            rec = summarize(m, w.flops_per_example, ceiling)
+                            settings.slow_round_s, cost=not settings.quick)
+            rec = summarize(m, w.flops_per_example, roof)
             rows[name] = {"seconds_per_round": rec["seconds_per_round"], "reps": rec["reps"],
-                          "compiles_timed": rec["compiles_timed"]}
+                          "compiles_timed": rec["compiles_timed"],
+                          "fraction_of_roofline": rec["fraction_of_roofline"]}
         first = rows["mean (FedAvg)"]["seconds_per_round"]
         for name, rec in rows.items():
             rec["vs_fedavg"] = rec["seconds_per_round"] / first

@@ -15,6 +15,7 @@ import numpy as np
 from benchmarks.harness import (CONCRETE_IMPLS, GroupedLayer, GroupedRound, Log, PyTree,
                                 Settings, auto_summary, equal_parts, forward_flops,
                                 make_workload, strategies, summarize, time_engine)
+from benchmarks.roofline import Roof
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
 from fedjax_pan.algorithms import client_optimizer, local
@@ -144,7 +145,7 @@ def grouped_conv_inputs(model: Any, variables: PyTree) -> List[int]:
             if name.startswith("conv") and name != first]
 
 
-def grouped_round_rows(bench: GroupedRound, settings: Settings, ceiling: float,
+def grouped_round_rows(bench: GroupedRound, settings: Settings, roof: Roof,
                        log: Log) -> Dict[str, Any]:
     """A grouped model's FedAvg round (training only) per concrete strategy, with the
     default `conv_impl`; what `resolve_strategy('auto', ...)` picks and how it fares."""
@@ -163,7 +164,7 @@ def grouped_round_rows(bench: GroupedRound, settings: Settings, ceiling: float,
                            bench.clients_per_round, settings.seed)
         m = time_engine(sim, w.variables, None, settings.warmup, settings.reps,
                         settings.slow_round_s)
-        configs[strategy] = summarize(m, w.flops_per_example, ceiling)
+        configs[strategy] = summarize(m, w.flops_per_example, roof)
         log(f"[grouped_conv] {bench.key} {strategy}: "
             f"{configs[strategy]['seconds_per_round']:.3f} s/round")
     convs = grouped_conv_inputs(model, w.variables) if bench.model != "mlp" else []
@@ -174,23 +175,23 @@ def grouped_round_rows(bench: GroupedRound, settings: Settings, ceiling: float,
             "auto": auto_summary(configs, w.variables)}
 
 
-def grouped_conv_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+def grouped_conv_section(settings: Settings, roof: Roof, log: Log) -> Dict[str, Any]:
     """Grouped convs per implementation (`grouped_lib.CONV_IMPLS`): layer shapes (forward +
     backward, with the dense conv of the same width), one local step of Fed2's grouped
     VGG9, and grouped models' rounds per execution strategy."""
     layers = []
     for layer in settings.grouped_layers:
         rec = grouped_layer_rows(layer, settings.grouped_reps, settings.grouped_budget_s,
-                                 ceiling, settings.seed)
+                                 roof.peak_gflops, settings.seed)
         layers.append(rec)
         log(f"[grouped_conv] {layer.key}: " + ", ".join(
             f"{k} {1e3 * v['seconds']:.1f} ms" for k, v in rec["impls"].items())
             + f"; dense {1e3 * rec['dense']['seconds']:.1f} ms; auto {rec['auto']['picks']}")
-    step = grouped_step_rows(settings, ceiling)
+    step = grouped_step_rows(settings, roof.peak_gflops)
     log("[grouped_conv] grouped VGG9 step: " + ", ".join(
         f"{k} {1e3 * v['seconds']:.1f} ms" for k, v in step["impls"].items())
         + f"; auto {step['auto']['picks']}")
-    rounds = {b.key: grouped_round_rows(b, settings, ceiling, log)
+    rounds = {b.key: grouped_round_rows(b, settings, roof, log)
               for b in settings.grouped_rounds}
     return {"backend": jax.default_backend(), "layers": layers, "vgg_step": step,
             "rounds": rounds}

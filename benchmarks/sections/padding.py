@@ -11,6 +11,7 @@ import numpy as np
 from benchmarks.harness import (MLP_PARAMS, Log, Settings, Workload, auto_summary,
                                 make_workload, naive_baseline, strategies, summarize,
                                 time_engine)
+from benchmarks.roofline import Roof
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
 from fedjax_pan.engine import Simulation
@@ -47,7 +48,7 @@ def _padding_data(settings: Settings, log: Log) -> Tuple[data_lib.Dataset, str]:
     return data_lib.synthetic(n, settings.test_examples, seed=settings.seed), "synthetic"
 
 
-def padding_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+def padding_section(settings: Settings, roof: Roof, log: Log) -> Dict[str, Any]:
     """Unequal clients (Dirichlet by client): padding efficiency and time per configuration.
 
     'vmap' is the library's default blocks; 'vmap G=g' fixes the block size, bucketed
@@ -77,14 +78,14 @@ def padding_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
         sim = w.simulation(ex, m_per, settings.seed)
         m = time_engine(sim, w.variables, evaluate, settings.warmup, settings.padding_reps,
                         settings.slow_round_s)
-        rec = summarize(m, w.flops_per_example, ceiling)
+        rec = summarize(m, w.flops_per_example, roof)
         rec["block_size"] = getattr(ex, "block_size", 1)
         rec["expected_padding_efficiency"] = _expected_efficiency(
             w, sim, ex, settings.padding_cohorts)
         configs[label] = rec
         log(f"[padding] {label}: efficiency {rec['padding_efficiency']:.3f}, "
             f"{rec['seconds_per_round']:.3f} s/round")
-    _, naive = naive_baseline(w, sim, settings, settings.padding_reps, configs, ceiling,
+    _, naive = naive_baseline(w, sim, settings, settings.padding_reps, configs, roof,
                                "padding", log)
     return {"dataset": name, "alpha": settings.padding_alpha,
             "workload": w.describe(m_per), "configs": configs, "naive": naive,

@@ -16,19 +16,20 @@ import numpy as np
 from benchmarks.harness import (MLP_PARAMS, Log, Settings, Workload, device_in_use_mib,
                                 device_peak_mib, make_workload, mlp_workload, peak_rss_mib,
                                 rss_mib, summarize, time_engine)
+from benchmarks.roofline import Roof
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
 from fedjax_pan.engine import resolve_strategy, store
 
 
-def scaling_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+def scaling_section(settings: Settings, roof: Roof, log: Log) -> Dict[str, Any]:
     """MLP-bench round time against clients per round, with `auto`'s strategy.
 
     Each setting gets its own executor and warm-up; `compiles_timed` must be 0.
     `per_client_vs_first` is (t/M) / (t_first/M_first): 1.0 means linear cost.
     """
     # The population first: its peaks are this process's before any larger workload.
-    population = population_section(settings, ceiling, log)
+    population = population_section(settings, roof, log)
     per_round = [m for m in settings.scaling_per_round]
     w = mlp_workload(settings, max(settings.mlp_clients, max(per_round)))
     strategy = resolve_strategy("auto", w.variables)
@@ -38,11 +39,11 @@ def scaling_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, A
         sim = w.simulation(w.executor(strategy, m_per, settings), m_per, settings.seed)
         m = time_engine(sim, w.variables, None, settings.warmup, settings.scaling_reps,
                         settings.slow_round_s)
-        rec = summarize(m, w.flops_per_example, ceiling)
-        rec = {"clients_per_round": m_per, **{k: rec[k] for k in (
+        rec = summarize(m, w.flops_per_example, roof)
+        rec = {"clients_per_round": m_per, **{k: rec.get(k) for k in (
             "seconds_per_round", "round_seconds", "reps", "examples_per_second", "gflops",
-            "fraction_of_ceiling", "compiles_warmup", "compile_seconds_warmup",
-            "compiles_timed")}}
+            "fraction_of_ceiling", "fraction_of_roofline", "roofline_bound",
+            "compiles_warmup", "compile_seconds_warmup", "compiles_timed")}}
         rec["seconds_per_client"] = rec["seconds_per_round"] / m_per
         points.append(rec)
         log(f"[scaling] {m_per} clients/round: {rec['seconds_per_round']:.3f} s/round, "
@@ -73,7 +74,7 @@ def population_workload(settings: Settings, num_clients: int) -> Workload:
                          ds.test_labels, n, 1, settings, flops_per_example=6.0 * MLP_PARAMS)
 
 
-def population_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+def population_section(settings: Settings, roof: Roof, log: Log) -> Dict[str, Any]:
     """Round time and memory as the population K and the clients per round M grow
     (stateless FedAvg: memory must not grow with K).
 
@@ -89,10 +90,11 @@ def population_section(settings: Settings, ceiling: float, log: Log) -> Dict[str
         strategy = resolve_strategy("auto", w.variables)
         for m_per in sorted(m for m in settings.population_per_round if m <= k):
             sim = w.simulation(w.executor(strategy, m_per, settings), m_per, settings.seed)
-            m = time_engine(sim, w.variables, None, 1, 1, settings.slow_round_s)
+            # No roofline here: its compilations would count in the memory figures.
+            m = time_engine(sim, w.variables, None, 1, 1, settings.slow_round_s, cost=False)
             del sim
             gc.collect()
-            rec = summarize(m, w.flops_per_example, ceiling)
+            rec = summarize(m, w.flops_per_example, roof)
             points.append({"num_clients": k, "clients_per_round": m_per,
                            **{key: rec[key] for key in ("seconds_per_round",
                                                         "examples_per_second",

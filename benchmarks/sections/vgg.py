@@ -6,11 +6,12 @@ from typing import Any, Dict
 
 from benchmarks.harness import (Log, Settings, auto_summary, equal_parts, make_workload,
                                 time_strategies)
+from benchmarks.roofline import Roof
 from fedjax_pan import data as data_lib
 from fedjax_pan import models
 
 
-def conv_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]:
+def conv_section(settings: Settings, roof: Roof, log: Log) -> Dict[str, Any]:
     """Convnets per strategy with the naive loop; what `auto` picks and how it fares."""
     out = {}
     for b in settings.conv:
@@ -21,7 +22,7 @@ def conv_section(settings: Settings, ceiling: float, log: Log) -> Dict[str, Any]
         w = make_workload(b.key, model, b.input_shape, ds.train_images, ds.train_labels,
                           equal_parts(b.clients_per_round, b.examples, settings.seed),
                           ds.test_images, ds.test_labels, b.batch_size, 1, settings)
-        configs, extra, _ = time_strategies(w, b.clients_per_round, settings, ceiling, log,
+        configs, extra, _ = time_strategies(w, b.clients_per_round, settings, roof, log,
                                              b.key)
         out[b.key] = {"model": b.model, "width": b.width, "input_shape": list(b.input_shape),
                       "gates_auto_target": b.gates_auto,
