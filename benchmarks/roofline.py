@@ -222,8 +222,10 @@ def row_record(costs: Sequence[Optional[Cost]], seconds: Sequence[float], roof: 
 # What a round costs
 # ----------------------------------------------------------------------------------------
 
-def _one(tree: PyTree, i: int = 0) -> PyTree:
-    return None if tree is None else tree_map(lambda x: x[i], tree)
+def _one(tree: PyTree) -> PyTree:
+    """One client's slice of a stack (arrays or their shapes)."""
+    return None if tree is None else tree_map(
+        lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype), abstract(tree))
 
 
 def _stack(tree: PyTree, g: int) -> PyTree:

@@ -509,6 +509,22 @@ def test_engine_cost_of_a_round(strategy, block_size):
     assert cost.bytes > 4 * 1882 * steps  # at least one pass over the weights a step
 
 
+def test_a_round_with_client_states_is_costed():
+    # Scaffold keeps a control variate per client: its cohort's states are a stack, and
+    # each client's functions are costed on one slice of it (a model's worth more bytes
+    # read and written a client than FedAvg's).
+    from fedjax_pan.algorithms.fedavg_family.scaffold import scaffold
+    images, labels, parts, model, variables, plain = _setup()
+    data, work = ClientData.create(images, labels, parts), LocalWork(BATCH, EPOCHS)
+    costs = []
+    for algorithm in (plain, scaffold(model, client_optimizer(0.05, 0.0, 0.0, None), 0.05)):
+        sim = Simulation(algorithm, data, work, make_executor(
+            "loop", algorithm, work, data, variables, 4), 4 / len(parts), seed=3)
+        costs.append(roofline.EngineCost(sim).round(sim.init(variables)))
+    assert costs[1] is not None and costs[1].flops >= costs[0].flops > 0
+    assert costs[1].bytes > costs[0].bytes + 4 * 4 * 1882  # four clients' states
+
+
 def test_engine_step_cost_reads_the_batch_not_the_dataset():
     # XLA costs a gather as reading its whole operand; the model lowers the step on a
     # batch-sized dataset, so the same clients in a 20x larger training set cost the same.
