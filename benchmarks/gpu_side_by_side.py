@@ -285,6 +285,34 @@ def _ratios(records: Dict[str, Dict[str, Any]]) -> None:
                 rec[key] = rec["examples_per_second"] / records[base]["examples_per_second"]
 
 
+# (name, clients a round, what is measured, its threshold): the GPU's targets.
+TARGETS = (("fedjax_pan float32 >= 60% of its roofline at 1,000 clients a round", 1000,
+            "roofline_f32", 0.6),
+           ("fedjax_pan bfloat16 >= 1.6x float32's examples/s at 1,000 clients a round",
+            1000, "bf16_speedup", 1.6),
+           ("fedjax_pan float32 >= 3x FedJAX's examples/s at 100 clients a round", 100,
+            "vs_fedjax", 3.0))
+
+
+def targets(results: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Each target with its measured value and PASS / MISS (n/a where its rows or its
+    clients-a-round did not run)."""
+    out = []
+    for name, m, what, threshold in TARGETS:
+        rows = next((p["rows"] for p in results["points"] if p["clients_per_round"] == m), {})
+        f32, bf16 = rows.get(f"{ENGINE} float32"), rows.get(f"{ENGINE} bfloat16")
+        value = None
+        if what == "roofline_f32" and f32 is not None:
+            value = f32.get("fraction_of_roofline")
+        elif what == "bf16_speedup" and f32 is not None and bf16 is not None:
+            value = bf16["examples_per_second"] / f32["examples_per_second"]
+        elif what == "vs_fedjax" and f32 is not None:
+            value = f32.get("vs_fedjax")
+        status = "n/a" if value is None else ("PASS" if value >= threshold else "MISS")
+        out.append({"name": name, "value": value, "threshold": threshold, "status": status})
+    return out
+
+
 def markdown(results: Dict[str, Any], command: str) -> str:
     """The block for benchmarks/RESULTS_gpu.md."""
     meta, roof, s = results["meta"], results["roof"], results["settings"]
@@ -311,6 +339,10 @@ def markdown(results: Dict[str, Any], command: str) -> str:
                        f"{r['examples_per_second']:.0f} | {pct(r.get('fraction_of_roofline'))} "
                        f"| {r.get('roofline_bound') or '-'} | {ratio(r.get('vs_fedjax'))} | "
                        f"{ratio(r.get('vs_pytorch'))} |")
+    out += ["", "| status | target | measured |", "| --- | --- | --- |"]
+    out += [f"| {t['status']} | {t['name']} | "
+            f"{'-' if t['value'] is None else format(t['value'], '.3f')} |"
+            for t in targets(results)]
     return "\n".join(out) + "\n"
 
 

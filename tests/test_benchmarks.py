@@ -562,6 +562,23 @@ def test_trace_summary_of_an_engine_round(tmp_path):
     assert summary["xla_ops"] and all(o["seconds"] >= 0 for o in summary["xla_ops"])
 
 
+def test_gpu_targets_are_judged_on_their_rows():
+    f32, bf16, fj = (f"{gpu_side_by_side.ENGINE} float32", f"{gpu_side_by_side.ENGINE} "
+                     "bfloat16", gpu_side_by_side.FEDJAX)
+    results = {"points": [
+        {"clients_per_round": 100, "rows": {f32: {"examples_per_second": 900.0,
+                                                  "vs_fedjax": 3.0}, fj: {}}},
+        {"clients_per_round": 1000, "rows": {f32: {"examples_per_second": 1000.0,
+                                                   "fraction_of_roofline": 0.55},
+                                             bf16: {"examples_per_second": 1700.0}}}]}
+    got = {t["name"].split(" >= ")[1][:12]: (t["status"], t["value"])
+           for t in gpu_side_by_side.targets(results)}
+    assert got == {"60% of its r": ("MISS", 0.55), "1.6x float32": ("PASS", 1.7),
+                   "3x FedJAX's ": ("PASS", 3.0)}
+    results["points"] = results["points"][:1]  # no 1,000 clients a round: not measured
+    assert [t["status"] for t in gpu_side_by_side.targets(results)] == ["n/a", "n/a", "PASS"]
+
+
 def test_gpu_side_by_side_quick(tmp_path, capsys):
     """The GPU script's dry run on this CPU: the engine rows, the skipped ones with their
     note, the files for RESULTS_gpu.md."""
