@@ -683,15 +683,6 @@ def test_channels_that_cannot_fit_in_memory_are_refused(tmp_path, monkeypatch):
     experiment.build(config(algorithm="flchain", flchain__channels=4))
 
 
-def test_available_memory_reads_meminfo(tmp_path):
-    path = tmp_path / "meminfo"
-    path.write_text("MemTotal:       16000 kB\nMemFree:  100 kB\nMemAvailable:    1234 kB\n")
-    assert flchain.available_memory(str(path)) == 1234 * 1024
-    path.write_text("MemTotal:       16000 kB\n")
-    assert flchain.available_memory(str(path)) is None
-    assert flchain.available_memory(str(tmp_path / "absent")) is None
-
-
 def test_channel_selection():
     np.testing.assert_array_equal(flchain.select_channels(7, 3, "least_loaded", 0),
                                   [0, 1, 2, 0, 1, 2, 0])

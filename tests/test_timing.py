@@ -336,3 +336,19 @@ def test_stragglers_are_refused_where_outputs_cannot_be_left_out():
     with pytest.raises(ConfigError, match="straggler.max_delay"):
         assembly.build(config(algorithm="fedma", pan__amplitude=0.0, straggler__max_delay=2,
                               rounds=1))
+
+
+def test_available_memory_reads_meminfo_within_the_cgroup_limit(tmp_path):
+    meminfo, cgroup = tmp_path / "meminfo", tmp_path / "cgroup"
+    meminfo.write_text("MemTotal:       16000 kB\nMemFree:  100 kB\nMemAvailable:    1234 kB\n")
+    assert timing.available_memory(str(meminfo), str(cgroup)) == 1234 * 1024
+    cgroup.mkdir()
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("5000\n")
+    assert timing.available_memory(str(meminfo), str(cgroup)) == 1234 * 1024
+    (cgroup / "memory.max").write_text("105000\n")  # 100,000 bytes left under the limit
+    assert timing.available_memory(str(meminfo), str(cgroup)) == 100_000
+    # Without MemAvailable (not Linux): the free pages the OS reports.
+    meminfo.write_text("MemTotal:       16000 kB\n")
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < timing.available_memory(str(meminfo), str(tmp_path / "absent")) <= 2 * free

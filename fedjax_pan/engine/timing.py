@@ -205,12 +205,13 @@ def resized(st: TimeState, slots: int) -> TimeState:
                        origin=fit(st.origin, -1), clients=fit(st.clients, -1))
 
 
-def available_memory() -> Optional[int]:
+def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup"
+                     ) -> Optional[int]:
     """Bytes of memory this process may still take: the kernel's MemAvailable (or free
     pages where it has none), within a cgroup v2 limit where one is set; None: unknown."""
     found = None
     try:
-        with open("/proc/meminfo") as f:
+        with open(meminfo) as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     found = int(line.split()[1]) * 1024
@@ -222,8 +223,8 @@ def available_memory() -> Optional[int]:
         except (OSError, ValueError, AttributeError):
             return None
     try:
-        with open("/sys/fs/cgroup/memory.max") as f, \
-                open("/sys/fs/cgroup/memory.current") as g:
+        with open(os.path.join(cgroup, "memory.max")) as f, \
+                open(os.path.join(cgroup, "memory.current")) as g:
             limit = f.read().strip()
             if limit != "max":
                 found = min(found, max(int(limit) - int(g.read()), 0))

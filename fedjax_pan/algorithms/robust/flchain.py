@@ -44,7 +44,7 @@ What channels cost: there are at most as many channels as devices
 (`partition.num_clients`). A channel no device selected (possible under 'random') keeps
 its genesis block but no model of its own, in memory or in checkpoints: its model is the
 initial one, held once. A run whose channels with devices would not fit in the memory
-available (`channel_bytes` each, against MemAvailable) is refused before it starts.
+available (`channel_bytes` each, against `timing.available_memory`) is refused before it starts.
 
 Keys and the anchor (`algorithms.robust.ledger`'s docstring has the formats): every
 validator's and device's Ed25519 key is drawn from the OS's entropy when a run starts,
@@ -80,6 +80,7 @@ from fedjax_pan.algorithms.robust import attacks
 from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, tree_bytes
 from fedjax_pan.algorithms.fedavg_family.fedavg import fedavg
 from fedjax_pan.engine.services import RoundDefaults, Services, SimState
+from fedjax_pan.engine.timing import available_memory
 from fedjax_pan.errors import ConfigError
 from fedjax_pan.references import Reference
 from fedjax_pan.rules import between, one_of
@@ -132,19 +133,6 @@ def channel_bytes(server: PyTree, variables: PyTree) -> int:
     return 2 * tree_bytes(server) + tree_bytes(variables)
 
 
-def available_memory(path: str = "/proc/meminfo") -> Optional[int]:
-    """Bytes the kernel can hand out without swapping (MemAvailable); None where `path`
-    is missing or does not say (not Linux): then nothing is refused."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file counts kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def check_memory(channels: int, live: int, per_channel: int,
                  available: Optional[int]) -> None:
     """ValueError (naming `flchain.channels` and the estimate) where `live` channels with
@@ -157,7 +145,7 @@ def check_memory(channels: int, live: int, per_channel: int,
             f"{need / gib:.1f} GiB ({per_channel / 2**20:.1f} MiB each: the channel's server "
             f"state, its copy while a checkpoint is written, its model in the per-device "
             f"evaluation), more than the {available / gib:.1f} GiB available (MemAvailable "
-            f"in /proc/meminfo): lower flchain.channels or the model's size")
+            f"in /proc/meminfo, within a cgroup limit): lower flchain.channels or the model's size")
 
 
 def round_seconds(options: Dict[str, float], validators: int, channels: int, pool_bytes: int,
