@@ -279,7 +279,8 @@ def check(workdir: str, *, resume: bool, overwrite: bool) -> None:
                            f"{probe_dir}); nothing was written") from None
 
 
-def _made_progress(workdir: str) -> bool:
+def made_progress(workdir: str) -> bool:
+    """`workdir` (or a run inside it) holds a finished checkpoint."""
     pattern = os.path.join(glob.escape(workdir), "**", CHECKPOINTS, "[0-9]*")
     return any(os.path.isdir(p) for p in glob.glob(pattern, recursive=True))
 
@@ -306,7 +307,7 @@ def claim(workdir: str, *, overwrite: bool = False, resume: bool = False) -> Ite
     try:
         yield
     except BaseException as e:
-        kept = resume or _made_progress(workdir)
+        kept = resume or made_progress(workdir)
         if isinstance(e, KeyboardInterrupt):  # a signal outside a round: say what is kept
             e = Interrupted(f"interrupted; {workdir} keeps the rounds saved so far" if kept
                             else f"interrupted before {workdir} saved a round",

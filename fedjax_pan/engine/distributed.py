@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import errno
-import glob
 import json
 import math
 import os
@@ -271,8 +270,7 @@ def _advice(workdir: Optional[str], primary: bool) -> str:
     if not workdir or not (primary or os.path.isdir(workdir)):
         return ("run the command again" if not workdir else
                 "process 0's error line says whether to continue with --resume")
-    pattern = os.path.join(glob.escape(workdir), "**", workdir_lib.CHECKPOINTS, "[0-9]*")
-    if any(os.path.isdir(p) for p in glob.glob(pattern, recursive=True)):
+    if workdir_lib.made_progress(workdir):
         return "continue with --resume"
     if os.path.isdir(workdir) and os.listdir(workdir):
         return "run the command again with --overwrite"
