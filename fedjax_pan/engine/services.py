@@ -30,8 +30,11 @@ from fedjax_pan.engine.execution import (UPLOAD_MIB, Cohort, CohortResult, make_
 from fedjax_pan.engine.protocol import FederatedAlgorithm, PyTree, RoundDefaults
 from fedjax_pan.engine.simulation import (SimState, clients_per_round, sample_clients,
                                           stream_keys, train_metrics, untrained)
+from fedjax_pan.engine.timing import available_memory
 
-__all__ = ["Services", "SimState", "Cohort", "CohortResult", "RoundDefaults"]
+# available_memory: what a driver sizing its own state (FLChain's channels) checks against.
+__all__ = ["Services", "SimState", "Cohort", "CohortResult", "RoundDefaults",
+           "available_memory"]
 
 
 @dataclasses.dataclass

@@ -44,7 +44,8 @@ What channels cost: there are at most as many channels as devices
 (`partition.num_clients`). A channel no device selected (possible under 'random') keeps
 its genesis block but no model of its own, in memory or in checkpoints: its model is the
 initial one, held once. A run whose channels with devices would not fit in the memory
-available (`channel_bytes` each, against `timing.available_memory`) is refused before it starts.
+available (`channel_bytes` each, against `services.available_memory`) is refused before
+it starts.
 
 Keys and the anchor (`algorithms.robust.ledger`'s docstring has the formats): every
 validator's and device's Ed25519 key is drawn from the OS's entropy when a run starts,
@@ -79,8 +80,7 @@ from fedjax_pan import workdir as workdir_lib
 from fedjax_pan.algorithms.robust import attacks
 from fedjax_pan.algorithms.core import Aggregator, AlgorithmEntry, tree_bytes
 from fedjax_pan.algorithms.fedavg_family.fedavg import fedavg
-from fedjax_pan.engine.services import RoundDefaults, Services, SimState
-from fedjax_pan.engine.timing import available_memory
+from fedjax_pan.engine.services import RoundDefaults, Services, SimState, available_memory
 from fedjax_pan.errors import ConfigError
 from fedjax_pan.references import Reference
 from fedjax_pan.rules import between, one_of
